@@ -1,0 +1,26 @@
+"""Rollout: engines that sample completions, and the weight sync that keeps them on-policy."""
+
+from opsd.rollout.engine import Completion, RolloutEngine, SamplingSettings
+
+__all__ = ["Completion", "RolloutEngine", "SamplingSettings", "make_engine"]
+
+
+def make_engine(cfg, model_path, processor) -> RolloutEngine:
+    """The configured engine for `model_path`, holding the same weights as the trainer's student."""
+    if cfg.rollout.engine == "hf":
+        from opsd.modeling import load_model
+        from opsd.rollout.hf_engine import HFEngine
+        from opsd.trainer.device import resolve_device
+
+        return HFEngine(load_model(cfg.model, processor, resolve_device(cfg.train.device)), processor)
+    from opsd.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(
+        str(model_path),
+        dtype=cfg.model.dtype,
+        max_model_len=cfg.train.max_forward_tokens,
+        kv_cache_memory_mb=cfg.rollout.kv_cache_memory_mb,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        enforce_eager=cfg.rollout.enforce_eager,
+        seed=cfg.train.seed,
+    )

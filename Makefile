@@ -1,0 +1,24 @@
+# `make demo` and `make test` set up .venv first when needed (scripts/setup_env.py).
+PYTHON := .venv/bin/python
+ENV_STAMP := .venv/.opsd-env
+
+.PHONY: env demo test test-fast bench
+
+$(ENV_STAMP): pyproject.toml scripts/setup_env.py
+	python3 scripts/setup_env.py
+	touch $@
+
+env: $(ENV_STAMP)
+
+demo: $(ENV_STAMP)
+	$(PYTHON) -m opsd.train --config configs/demo.yaml
+
+test: $(ENV_STAMP)
+	$(PYTHON) -m pytest -q
+
+test-fast: $(ENV_STAMP)
+	$(PYTHON) -m pytest -q -m "not slow"
+
+bench: $(ENV_STAMP)
+	$(PYTHON) bench/loss_memory.py
+	$(PYTHON) bench/rollout_throughput.py

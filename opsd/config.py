@@ -1,0 +1,232 @@
+"""Typed run configuration: YAML file + `dotted.key=value` overrides, validated at load.
+
+Every field is documented once, here. Unknown keys and bad values stop the run with a message
+that names the key (e.g. `rollout.temperature: Input should be greater than 0`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.dataclasses import dataclass
+
+_STRICT = ConfigDict(extra="forbid")
+
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+@dataclass(config=_STRICT)
+class ModelConfig:
+    path: str
+    """Hugging Face model directory of the student (and of the teacher's initial weights)."""
+    build: Literal["tiny-vlm", "tiny-text"] | None = None
+    """Build a tiny local model into `path` when it does not exist yet (tests, demo)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
+    trust_remote_code: bool = False
+
+
+@dataclass(config=_STRICT)
+class SyntheticDataConfig:
+    n_train: Annotated[int, Field(gt=0)] = 256
+    n_eval: Annotated[int, Field(ge=0)] = 32
+    seed: int = 0
+    image_size: Annotated[int, Field(ge=28)] = 112
+
+
+@dataclass(config=_STRICT)
+class DataConfig:
+    path: str
+    """Directory holding `train.parquet` (and `eval.parquet`) in the project schema."""
+    synthetic: SyntheticDataConfig | None = None
+    """Generate the synthetic grid-path tasks into `path` when it does not exist yet."""
+    shuffle: bool = True
+
+
+@dataclass(config=_STRICT)
+class PromptConfig:
+    system: str = (
+        "You are a careful problem solver. Think step by step inside <think></think>, then give "
+        "the final answer inside <answer></answer>."
+    )
+    reference_intro: str = (
+        "The following images are privileged visual references depicting intermediate visual "
+        "thoughts on the path to the correct answer. Use them silently: do not describe or echo them."
+    )
+    privileged_text_intro: str = "Privileged reference solution (use it silently):"
+    transition: str = (
+        "Now, using your own independent reasoning, answer the problem above. Think step by step."
+    )
+    privileged: list[Literal["images", "text", "answer"]] = dataclasses.field(
+        default_factory=lambda: ["images"]
+    )
+    """What the teacher's prompt adds: privileged images (the reference), text thoughts, answer."""
+    noise_privileged_images: bool = False
+    """Ablation: replace privileged images with Gaussian noise of the same size."""
+
+
+@dataclass(config=_STRICT)
+class RolloutConfig:
+    engine: Literal["vllm", "hf"] = "vllm"
+    """`vllm`: colocated in-process vLLM engine; `hf`: transformers `generate`."""
+    samples_per_prompt: Annotated[int, Field(gt=0)] = 1
+    max_new_tokens: Annotated[int, Field(gt=0)] = 64
+    temperature: Positive = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    """0 = no top-k filtering when sampling."""
+    kv_cache_memory_mb: Annotated[int, Field(gt=0)] | None = 64
+    """vLLM KV cache size in MiB; None = let vLLM size it from `gpu_memory_utilization`."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.3
+    enforce_eager: bool = True
+
+
+@dataclass(config=_STRICT)
+class LossConfig:
+    kind: Literal["jsd", "tinker"] = "jsd"
+    beta: Probability = 0.5
+    """0 = KL(teacher || student), 1 = KL(student || teacher), else generalized JSD."""
+    temperature: Positive = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 256
+    """Restrict to the teacher's top-k tokens, renormalised on both sides; 0 = full vocabulary."""
+    token_clip: NonNegative = 0.05
+    """Upper clamp of each divergence term; 0 = off."""
+    clip_mode: Literal["entry", "token"] = "entry"
+    """`entry`: clamp each vocabulary entry before the sum (reference); `token`: clamp the sum."""
+    jsd_weight: NonNegative = 1.0
+    ce_weight: NonNegative = 0.0
+    """Weight of cross-entropy on the sampled completion tokens."""
+    chunk_size: Annotated[int, Field(gt=0)] = 1024
+
+
+@dataclass(config=_STRICT)
+class TeacherConfig:
+    mode: Literal["self", "ema", "fixed"] = "self"
+    """`self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen initial copy."""
+    ema_decay: Probability = 0.995
+
+
+@dataclass(config=_STRICT)
+class OptimConfig:
+    lr: Positive = 1e-5
+    min_lr: NonNegative = 1e-7
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: Annotated[int, Field(ge=0)] = 0
+    betas: tuple[Probability, Probability] = (0.9, 0.95)
+    eps: Positive = 1e-15
+    weight_decay: NonNegative = 0.0
+    max_grad_norm: NonNegative = 1.0
+    """0 = no clipping."""
+
+
+@dataclass(config=_STRICT)
+class TrainConfig:
+    max_steps: Annotated[int, Field(gt=0)] = 1000
+    """Optimizer steps."""
+    prompts_per_micro_step: Annotated[int, Field(gt=0)] = 1
+    grad_accum_steps: Annotated[int, Field(gt=0)] = 1
+    max_forward_tokens: Annotated[int, Field(gt=0)] = 10240
+    """Longest sequence fed to a forward; the completion is truncated so the teacher's fits."""
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass(config=_STRICT)
+class WandbConfig:
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    project: str = "opsd"
+    name: str | None = None
+
+
+@dataclass(config=_STRICT)
+class LoggingConfig:
+    output_dir: str = "runs/default"
+    log_every: Annotated[int, Field(gt=0)] = 1
+    progress_bar: bool = True
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+
+@dataclass(config=_STRICT)
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    prompts: PromptConfig = dataclasses.field(default_factory=PromptConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> "Config":
+        if self.optim.min_lr > self.optim.lr:
+            raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
+        return self
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+        lines.append(f"{key}: {e['msg']}{got}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as a YAML scalar)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key part")
+    return key.split("."), yaml.safe_load(raw) if raw else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def config_from_dict(raw: dict) -> Config:
+    try:
+        return TypeAdapter(Config).validate_python(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply `dotted.key=value` overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return config_from_dict(apply_overrides(raw, list(overrides)))
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return TypeAdapter(Config).dump_python(cfg, mode="json")

@@ -1,0 +1,172 @@
+"""Per-token distillation losses on completion positions.
+
+`generalized_jsd` is the OPSD reference loss (see notes/opsd-method.md): top-k on the teacher,
+temperature, beta-mixture divergence (TRL convention), elementwise clip, sum over the vocabulary,
+times T^2. `tinker_loss` is Thinking Machines' on-policy distillation: a policy gradient on the
+sampled token with the per-token reverse KL as (negative) advantage.
+
+Both return an unreduced float32 [N] tensor (float64 for float64 inputs): the trainer divides the
+sum over an optimizer step by that step's number of completion tokens, so per-micro-batch means
+would weigh tokens wrongly. The teacher is always detached. Rows are processed in chunks so that
+memory beyond the inputs and their gradient does not grow with N x V.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["generalized_jsd", "tinker_loss", "token_logprobs"]
+
+_TINKER_CHUNK_ROWS = 1024
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """At least float32 (float64 stays float64, which gradcheck relies on)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _check_logits(student_logits: Tensor, teacher_logits: Tensor) -> None:
+    if student_logits.dim() != 2:
+        raise ValueError(f"student_logits must be 2-D [N, V], got shape {tuple(student_logits.shape)}")
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher_logits shape {tuple(teacher_logits.shape)} != student_logits shape "
+            f"{tuple(student_logits.shape)}"
+        )
+
+
+def _by_rows(fn, chunk_size: int, use_checkpoint: bool, *tensors: Tensor) -> Tensor:
+    """Concatenate fn over row chunks; with use_checkpoint, backward recomputes one chunk at a time
+    instead of autograd holding every chunk's float32 [chunk, V] intermediates."""
+    outs = []
+    for parts in zip(*(t.split(chunk_size) for t in tensors)):
+        outs.append(checkpoint(fn, *parts, use_reentrant=False) if use_checkpoint else fn(*parts))
+    return torch.cat(outs)
+
+
+def _divergence(
+    s: Tensor, t: Tensor, beta: float, temperature: float, token_clip: float, clip_mode: str
+) -> Tensor:
+    """Per-token divergence of logit rows [n, k] (k = the kept vocabulary entries)."""
+    log_s = F.log_softmax(_upcast(s) / temperature, dim=-1)
+    log_t = F.log_softmax(_upcast(t) / temperature, dim=-1)
+    if beta == 0:  # forward KL(teacher || student); the mixture form would take log(0)
+        terms = log_t.exp() * (log_t - log_s)
+    elif beta == 1:  # reverse KL(student || teacher)
+        terms = log_s.exp() * (log_s - log_t)
+    else:
+        log_m = torch.logaddexp(log_s + math.log(1 - beta), log_t + math.log(beta))
+        terms = beta * log_t.exp() * (log_t - log_m) + (1 - beta) * log_s.exp() * (log_s - log_m)
+    if token_clip > 0 and clip_mode == "entry":
+        terms = terms.clamp(max=token_clip)
+    loss = terms.sum(dim=-1)
+    if token_clip > 0 and clip_mode == "token":
+        loss = loss.clamp(max=token_clip)
+    return loss * temperature**2
+
+
+def generalized_jsd(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    token_clip: float = 0.0,
+    clip_mode: str = "entry",
+    chunk_size: int = 1024,
+) -> Tensor:
+    """Per-token generalized JSD [N] between student and teacher logits [N, V].
+
+    beta weighs the teacher in the mixture M = (1 - beta) p_S + beta p_T; beta = 0 is forward
+    KL(teacher || student), beta = 1 reverse KL(student || teacher). top_k > 0 keeps the teacher's
+    top-k entries per position (both sides renormalised over them). token_clip > 0 caps each
+    per-entry term ("entry", the reference) or the per-token sum ("token").
+    """
+    _check_logits(student_logits, teacher_logits)
+    if not 0 <= beta <= 1:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if not token_clip >= 0:
+        raise ValueError(f"token_clip must be >= 0, got {token_clip}")
+    if clip_mode not in ("entry", "token"):
+        raise ValueError(f"clip_mode must be 'entry' or 'token', got {clip_mode!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    teacher_logits = teacher_logits.detach()
+    args = (beta, temperature, token_clip, clip_mode)
+
+    if 0 < top_k < student_logits.shape[-1]:
+        # topk and gather on the original dtype, so only [N, k] slices are ever upcast. The gather
+        # is one `take` on flat indices over all rows: its backward writes a single [N, V] gradient
+        # (gather's backward, a scatter, measured 3x the gradient's memory for bf16 on CPU).
+        tops = [t.topk(top_k, dim=-1) for t in teacher_logits.split(chunk_size)]
+        teacher_logits = torch.cat([values for values, _ in tops])
+        n, v = student_logits.shape
+        rows = torch.arange(n, device=student_logits.device).unsqueeze(-1)
+        student_logits = student_logits.take(torch.cat([idx for _, idx in tops]) + rows * v)
+
+    needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
+    return _by_rows(
+        lambda s, t: _divergence(s, t, *args), chunk_size, needs_grad, student_logits, teacher_logits
+    )
+
+
+def _sampled_logprob(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
+    """log softmax(logits / T)[y] per row, without keeping a log-softmaxed [n, V] copy."""
+    scaled = _upcast(logits) / temperature
+    return scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+def token_logprobs(logits: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+    """log p(ids[i]) under softmax(logits[i] / T), [N] float32; chunked like the losses.
+
+    The trainer uses it for CE on the sampled tokens and for the engine-vs-trainer logprob check.
+    """
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    return _by_rows(lambda x, y: _sampled_logprob(x, y, temperature), chunk_size, needs_grad, logits, ids)
+
+
+def tinker_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    sampled_ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    sampler_logprobs: Tensor | None = None,
+) -> Tensor:
+    """Per-token on-policy distillation loss [N] on the sampled tokens y.
+
+    A = log p_T(y) - log p_S(y) (detached) and loss = -A * log p_S(y). With sampler_logprobs (the
+    sampling engine's log p(y), possibly from lagging weights) the loss is importance weighted,
+    -A * exp(log p_S(y) - sampler_logprobs), whose gradient is -A * ratio * grad log p_S(y); when the
+    sampler has the student's weights the ratio is 1 and the gradient equals the plain form (the
+    value differs: -A instead of -A * log p_S(y)).
+    """
+    _check_logits(student_logits, teacher_logits)
+    n = student_logits.shape[0]
+    if sampled_ids.shape != (n,) or sampled_ids.dtype.is_floating_point:
+        raise ValueError(
+            f"sampled_ids must be an integer tensor of shape ({n},), "
+            f"got {sampled_ids.dtype} {tuple(sampled_ids.shape)}"
+        )
+    if n and not 0 <= int(sampled_ids.min()) <= int(sampled_ids.max()) < student_logits.shape[-1]:
+        raise ValueError("sampled_ids must lie in [0, V)")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if sampler_logprobs is not None and sampler_logprobs.shape != (n,):
+        raise ValueError(f"sampler_logprobs must have shape ({n},), got {tuple(sampler_logprobs.shape)}")
+
+    student_lp = token_logprobs(student_logits, sampled_ids, temperature=temperature, chunk_size=_TINKER_CHUNK_ROWS)
+    with torch.no_grad():
+        teacher_lp = token_logprobs(teacher_logits, sampled_ids, temperature=temperature, chunk_size=_TINKER_CHUNK_ROWS)
+    advantage = (teacher_lp - student_lp).detach()
+    if sampler_logprobs is None:
+        return -advantage * student_lp
+    return -advantage * torch.exp(student_lp - _upcast(sampler_logprobs.detach()))

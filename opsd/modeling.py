@@ -1,0 +1,40 @@
+"""Load the student's processor and weights from a Hugging Face directory (built locally on request)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+from opsd.config import ModelConfig
+from opsd.prompts import is_multimodal
+
+
+def prepare_model_dir(cfg: ModelConfig) -> str:
+    """A local model directory (built first when `model.build` asks), or a hub id left to the loaders."""
+    path = Path(cfg.path)
+    if cfg.build and not (path / "config.json").exists():
+        from opsd import tiny_models
+
+        build = tiny_models.build_tiny_vlm if cfg.build == "tiny-vlm" else tiny_models.build_tiny_text_model
+        build(path)
+    looks_local = path.exists() or cfg.path.startswith((".", "/", "~")) or cfg.path.count("/") > 1
+    if looks_local and not (path / "config.json").exists():
+        raise FileNotFoundError(f"model.path: no Hugging Face model directory at {path} (config.json missing)")
+    return cfg.path
+
+
+def load_processor(cfg: ModelConfig):
+    processor = AutoProcessor.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
+
+
+def load_model(cfg: ModelConfig, processor, device: torch.device) -> torch.nn.Module:
+    """Master weights in float32; bfloat16 runs use autocast on top."""
+    auto = AutoModelForImageTextToText if is_multimodal(processor) else AutoModelForCausalLM
+    model = auto.from_pretrained(cfg.path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    return model.to(device)

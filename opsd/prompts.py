@@ -1,0 +1,89 @@
+"""Student and teacher prompts for one sample.
+
+student: [system] [problem images] [question]
+teacher: [system] [problem images] [question] [reference intro] [privileged images]
+         [privileged text] [answer] [transition]
+
+Both are rendered by the same chat template with the same settings (a different template setting
+would shift the completion), and the sampled completion ids are later appended unchanged to both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from opsd.config import PromptConfig
+from opsd.data.sample import Sample
+
+
+@dataclass
+class Prompt:
+    text: str
+    """Chat-templated prompt, ending with the assistant turn's opening (generation prompt)."""
+    images: list[Image.Image]
+    """Images in the order their placeholders appear in `text`."""
+
+
+def is_multimodal(processor) -> bool:
+    return hasattr(processor, "image_processor")
+
+
+def placeholder_token_ids(processor) -> list[int]:
+    """Ids of the special tokens that stand for images or videos (never to be sampled)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    names = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    pattern = re.compile(r"image|img|vision|video", re.IGNORECASE)
+    return sorted(tokenizer.convert_tokens_to_ids(n) for n in names if pattern.search(n))
+
+
+def _render(processor, system: str, parts: list[str | Image.Image]) -> Prompt:
+    """Render chat messages; `parts` is the user turn: strings and images in order."""
+    images = [p for p in parts if isinstance(p, Image.Image)]
+    if is_multimodal(processor):
+        # The template joins content parts as they are; a newline keeps text parts apart.
+        content = [
+            {"type": "image"} if isinstance(p, Image.Image) else {"type": "text", "text": f"\n{p}" if i else p}
+            for i, p in enumerate(parts)
+        ]
+        messages = [
+            {"role": "system", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": content},
+        ]
+    else:
+        if images:
+            raise ValueError("this model has no image processor, but the prompt holds images")
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return Prompt(text=text, images=images)
+
+
+def student_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
+    return _render(processor, cfg.system, [*sample.images, sample.question])
+
+
+def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
+    parts: list[str | Image.Image] = [*sample.images, sample.question]
+    privileged_images = sample.privileged_images if "images" in cfg.privileged else []
+    if cfg.noise_privileged_images:
+        privileged_images = [noise_like(img, seed=f"{sample.id}/{i}") for i, img in enumerate(privileged_images)]
+    if privileged_images:
+        parts += [cfg.reference_intro, *privileged_images]
+    if "text" in cfg.privileged and sample.privileged_text:
+        parts += [f"{cfg.privileged_text_intro}\n{sample.privileged_text}"]
+    if "answer" in cfg.privileged and sample.answer:
+        parts += [f"Reference answer: {sample.answer}"]
+    parts.append(cfg.transition)
+    return _render(processor, cfg.system, parts)
+
+
+def noise_like(image: Image.Image, *, seed: str) -> Image.Image:
+    """Gaussian noise image of the same size and mode, deterministic per (sample, index)."""
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little"))
+    shape = np.asarray(image).shape
+    pixels = np.clip(rng.normal(127.5, 64.0, size=shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels)

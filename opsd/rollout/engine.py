@@ -1,0 +1,51 @@
+"""The rollout engine interface: sample completions for prompts, take new weights.
+
+Any class with these methods can serve as the trainer's sampler (vLLM, transformers `generate`,
+or a user's own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+from opsd.prompts import Prompt
+
+
+@dataclass
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = off."""
+    n: int = 1
+    """Completions per prompt."""
+    seed: int = 0
+    """Makes a call reproducible: the same prompts, weights and seed give the same completions."""
+    banned_token_ids: list[int] = field(default_factory=list)
+    """Never sampled: image placeholders in a completion would break the scoring forward."""
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    token_ids: list[int]
+    """Sampled ids, the stop token included when sampling stopped on it."""
+    logprobs: list[float]
+    """The engine's log-probability of each sampled token under the unmodified model distribution
+    (temperature 1, no top-k/top-p), comparable with the trainer's own."""
+    text: str = ""
+    finish_reason: str = ""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
+        """`sampling.n` completions per prompt, prompt-major order."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights, named as in the Hugging Face checkpoint, into the engine."""
+
+    def close(self) -> None: ...

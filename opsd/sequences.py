@@ -1,0 +1,123 @@
+"""Forward sequences: a prompt's ids (with its vision inputs) followed by the sampled completion ids.
+
+The completion ids are appended unchanged to the student's and the teacher's prompt: re-tokenising
+the completion text could change the ids, and the two spans must match token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from opsd.prompts import Prompt, is_multimodal
+
+
+@dataclass
+class EncodedPrompt:
+    input_ids: list[int]
+    """Fully expanded ids, as the model sees them (image placeholders expanded)."""
+    vision: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Processor outputs besides the ids (pixel values, masks), batch dimension 1."""
+
+
+def encode_prompt(processor, prompt: Prompt) -> EncodedPrompt:
+    if prompt.images:
+        out = processor(text=[prompt.text], images=[prompt.images], return_tensors="pt")
+        vision = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        return EncodedPrompt(out["input_ids"][0].tolist(), vision)
+    tokenizer = processor.tokenizer if is_multimodal(processor) else processor
+    return EncodedPrompt(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class ForwardBatch:
+    inputs: dict[str, torch.Tensor]
+    """Model inputs: right-padded `input_ids`, `attention_mask`, and vision tensors."""
+    predicts_completion: torch.Tensor
+    """[B, L] bool: positions whose next-token logits predict a completion token."""
+    completion_ids: torch.Tensor
+    """[N] the completion tokens in row-major order of `predicts_completion`."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.completion_ids.numel()
+
+
+def _pad_images(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Stack [1, n_i, ...] per-sequence image tensors to [B, max n, ...] with all-zero padding images."""
+    most = max(t.shape[1] for t in tensors)
+    out = tensors[0].new_zeros((len(tensors), most, *tensors[0].shape[2:]))
+    for i, t in enumerate(tensors):
+        out[i, : t.shape[1]] = t[0]
+    return out
+
+
+def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int) -> ForwardBatch:
+    """Right-pad `prompt + completion` sequences into one batch."""
+    rows = [p.input_ids + c for p, c in zip(prompts, completions)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    predicts = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, (row, p, c) in enumerate(zip(rows, prompts, completions)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        predicts[i, len(p.input_ids) - 1 : len(row) - 1] = True
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    with_images = [p.vision for p in prompts if p.vision]
+    if with_images:
+        if len(with_images) != len(prompts):
+            raise ValueError("a micro-batch mixes prompts with and without images; batch them apart")
+        for key in with_images[0]:
+            parts = [v[key] for v in with_images]
+            # Idefics-style [1, n_images, C, H, W] is padded per image; flat patch tensors
+            # (Qwen-VL style) concatenate along dim 0.
+            inputs[key] = _pad_images(parts) if parts[0].dim() >= 4 else torch.cat(parts)
+    completion_ids = torch.tensor([t for c in completions for t in c], dtype=torch.long)
+    return ForwardBatch(inputs, predicts, completion_ids)
+
+
+def completion_budget(student: EncodedPrompt, teacher: EncodedPrompt, max_forward_tokens: int) -> int:
+    """How many completion tokens fit so that the longer of the two sequences stays in budget."""
+    return max(0, max_forward_tokens - max(len(student.input_ids), len(teacher.input_ids)))
+
+
+@dataclass
+class Example:
+    """One sampled completion with the student's and the teacher's prompt around it."""
+
+    sample_id: str
+    student: EncodedPrompt
+    teacher: EncodedPrompt
+    completion_ids: list[int]
+    engine_logprobs: list[float]
+
+
+def build_examples(
+    student_prompts: list[EncodedPrompt],
+    teacher_prompts: list[EncodedPrompt],
+    sample_ids: list[str],
+    completions: list,
+    max_forward_tokens: int,
+) -> tuple[list[Example], dict[str, int]]:
+    """Pair each completion with its prompts; truncate it so the longer sequence fits.
+
+    Returns the examples and counts of what was cut or dropped (nothing is dropped silently).
+    """
+    examples, counts = [], {"empty_completions": 0, "truncated_completions": 0, "prompt_too_long": 0}
+    for c in completions:
+        student, teacher = student_prompts[c.prompt_index], teacher_prompts[c.prompt_index]
+        budget = completion_budget(student, teacher, max_forward_tokens)
+        if budget == 0:
+            counts["prompt_too_long"] += 1
+            continue
+        if not c.token_ids:
+            counts["empty_completions"] += 1
+            continue
+        if len(c.token_ids) > budget:
+            counts["truncated_completions"] += 1
+        examples.append(
+            Example(sample_ids[c.prompt_index], student, teacher, c.token_ids[:budget], c.logprobs[:budget])
+        )
+    return examples, counts

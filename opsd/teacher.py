@@ -1,0 +1,28 @@
+"""The privileged teacher: the live student (`self`), an EMA of it (`ema`) or a frozen copy (`fixed`)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from opsd.config import TeacherConfig
+
+
+def make_teacher(cfg: TeacherConfig, student: nn.Module) -> nn.Module:
+    """The module that scores teacher prompts; `self` shares the student's weights."""
+    if cfg.mode == "self":
+        return student
+    teacher = copy.deepcopy(student)
+    return teacher.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def update_teacher(cfg: TeacherConfig, teacher: nn.Module, student: nn.Module) -> None:
+    """After each optimizer step: EMA teachers move toward the student; the others stay."""
+    if cfg.mode != "ema":
+        return
+    teacher_params = list(teacher.parameters())
+    student_params = [p.detach() for p in student.parameters()]
+    torch._foreach_lerp_(teacher_params, student_params, 1.0 - cfg.ema_decay)

@@ -1,0 +1,152 @@
+"""On-policy self-distillation, single process.
+
+    python -m opsd.train --config configs/demo.yaml [dotted.key=value ...] [--dry-run]
+
+Each optimizer step: sample completions from the student with the rollout engine -> build the
+student and teacher sequences around the same completion ids -> score both -> loss -> backward and
+optimizer step -> teacher update -> push the new weights into the engine. Metrics go to
+`<output_dir>/metrics.jsonl` (one object per step), the console and, when enabled, wandb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from opsd.config import Config, ConfigError, config_to_dict, load_config
+from opsd.data.dataset import load_train_samples
+from opsd.data.stream import SampleStream
+from opsd.modeling import load_model, load_processor, prepare_model_dir
+from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.rollout import SamplingSettings, make_engine
+from opsd.sequences import build_examples, encode_prompt
+from opsd.teacher import make_teacher, update_teacher
+from opsd.trainer.device import resolve_device, seed_everything
+from opsd.trainer.metrics import MetricsLogger
+from opsd.trainer.optim import build_optimizer, build_scheduler
+from opsd.trainer.step import train_step
+
+
+def sampling_settings(cfg: Config, step: int, processor) -> SamplingSettings:
+    r = cfg.rollout
+    return SamplingSettings(
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        n=r.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007,
+        banned_token_ids=placeholder_token_ids(processor),
+    )
+
+
+def train(cfg: Config) -> Path:
+    output_dir = Path(cfg.logging.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.train.device)
+
+    model_dir = prepare_model_dir(cfg.model)
+    processor = load_processor(cfg.model)
+    pad_id = getattr(processor, "tokenizer", processor).pad_token_id
+    stream = SampleStream(load_train_samples(cfg.data), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    engine = make_engine(cfg, model_dir, processor)
+    seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
+    student = load_model(cfg.model, processor, device)
+    teacher = make_teacher(cfg.teacher, student)
+    optimizer = build_optimizer(cfg.optim, student)
+    scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
+    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg))
+    prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
+
+    for step in tqdm(range(1, cfg.train.max_steps + 1), disable=not cfg.logging.progress_bar, desc="opsd"):
+        # 1. Sample completions from the current student weights.
+        t0 = time.perf_counter()
+        samples = stream.take(prompts_per_step)
+        student_prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
+        completions = engine.generate(student_prompts, sampling_settings(cfg, step, processor))
+
+        # 2. Student and teacher sequences end with the identical completion ids.
+        t1 = time.perf_counter()
+        examples, counts = build_examples(
+            [encode_prompt(processor, p) for p in student_prompts],
+            [encode_prompt(processor, teacher_prompt(s, processor, cfg.prompts)) for s in samples],
+            [s.id for s in samples],
+            completions,
+            cfg.train.max_forward_tokens,
+        )
+        if not examples:
+            logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
+            continue
+
+        # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
+        lr = scheduler.get_last_lr()[0]
+        metrics = train_step(
+            student, teacher, examples, optimizer,
+            loss_cfg=cfg.loss,
+            micro_batch_size=cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            dtype=cfg.model.dtype,
+            pad_id=pad_id,
+        )
+        scheduler.step()
+        update_teacher(cfg.teacher, teacher, student)
+
+        # 4. Push the new weights into the engine so the next rollouts are on-policy.
+        t2 = time.perf_counter()
+        engine.update_weights((name, p.detach()) for name, p in student.named_parameters())
+        t3 = time.perf_counter()
+
+        logger.log(step, {
+            **metrics, **counts, "lr": lr,
+            "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": t3 - t2,
+        })
+
+    logger.close()
+    engine.close()
+    return output_dir
+
+
+def describe_plan(cfg: Config) -> str:
+    t, r = cfg.train, cfg.rollout
+    prompts = t.prompts_per_micro_step * t.grad_accum_steps
+    return "\n".join([
+        f"plan: {t.max_steps} optimizer steps x {prompts} prompts x {r.samples_per_prompt} samples "
+        f"({t.grad_accum_steps} micro-steps of {t.prompts_per_micro_step * r.samples_per_prompt} sequences)",
+        f"  model {cfg.model.path} ({cfg.model.dtype}{', built if missing: ' + cfg.model.build if cfg.model.build else ''})",
+        f"  rollout engine {r.engine}: up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}",
+        f"  teacher {cfg.teacher.mode}; privileged {'+'.join(cfg.prompts.privileged)}"
+        f"{' (noise ablation)' if cfg.prompts.noise_privileged_images else ''}",
+        f"  loss {cfg.loss.kind}: jsd x{cfg.loss.jsd_weight} + ce x{cfg.loss.ce_weight}, beta={cfg.loss.beta}, "
+        f"T={cfg.loss.temperature}, top_k={cfg.loss.top_k}, clip={cfg.loss.token_clip} ({cfg.loss.clip_mode})",
+        f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
+        f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
+    ])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        print(describe_plan(cfg))
+        return 0
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

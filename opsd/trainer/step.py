@@ -1,0 +1,100 @@
+"""One optimizer step of self-distillation: score, loss, backward, clip, step."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from opsd.config import LossConfig
+from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
+from opsd.scoring import completion_logits
+from opsd.sequences import Example, collate
+
+
+def autocast(device: torch.device, dtype: str):
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def distillation_losses(student_logits, teacher_logits, sampled_ids, engine_logprobs, cfg: LossConfig):
+    """Per-token distillation term [N] for the configured loss kind."""
+    if cfg.kind == "tinker":
+        return tinker_loss(
+            student_logits, teacher_logits, sampled_ids,
+            temperature=cfg.temperature, sampler_logprobs=engine_logprobs,
+        )
+    return generalized_jsd(
+        student_logits, teacher_logits, beta=cfg.beta, temperature=cfg.temperature,
+        top_k=cfg.top_k, token_clip=cfg.token_clip, clip_mode=cfg.clip_mode, chunk_size=cfg.chunk_size,
+    )
+
+
+def train_step(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    examples: list[Example],
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_cfg: LossConfig,
+    micro_batch_size: int,
+    max_grad_norm: float,
+    dtype: str,
+    pad_id: int,
+) -> dict:
+    """Accumulate gradients over micro-batches of `examples`, then take one optimizer step.
+
+    The loss is the sum of per-token losses over the whole step divided by the step's completion
+    tokens, so every token weighs the same whatever micro-batch it lands in (a mean of per-batch
+    means would overweight short completions).
+    """
+    device = next(student.parameters()).device
+    total_tokens = sum(len(e.completion_ids) for e in examples)
+    sums = {"distill": 0.0, "ce": 0.0, "mismatch": 0.0}
+    mismatch_max = 0.0
+    student.train()
+    for start in range(0, len(examples), micro_batch_size):
+        micro = examples[start : start + micro_batch_size]
+        completions = [e.completion_ids for e in micro]
+        student_batch = collate([e.student for e in micro], completions, pad_id)
+        teacher_batch = collate([e.teacher for e in micro], completions, pad_id)
+        sampled = student_batch.completion_ids.to(device)
+        engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
+
+        with autocast(device, dtype):
+            student_logits = completion_logits(student, student_batch)
+            with torch.no_grad():
+                teacher_logits = completion_logits(teacher, teacher_batch)
+        distill = distillation_losses(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
+        with torch.set_grad_enabled(loss_cfg.ce_weight > 0):
+            student_logprobs = token_logprobs(student_logits, sampled)
+        ce = -student_logprobs
+        loss = (loss_cfg.jsd_weight * distill + loss_cfg.ce_weight * ce).sum() / total_tokens
+        loss.backward()
+
+        # Same weights on both sides: a gap here means the engine did not get the last update.
+        mismatch = (student_logprobs.detach() - engine_logprobs).abs()
+        sums["distill"] += distill.detach().sum().item()
+        sums["ce"] += ce.detach().sum().item()
+        sums["mismatch"] += mismatch.sum().item()
+        mismatch_max = max(mismatch_max, mismatch.max().item())
+        del student_logits, teacher_logits, loss
+
+    params = [p for p in student.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    jsd, ce = sums["distill"] / total_tokens, sums["ce"] / total_tokens
+    return {
+        "loss": loss_cfg.jsd_weight * jsd + loss_cfg.ce_weight * ce,
+        "jsd": jsd,
+        "ce": ce,
+        "grad_norm": grad_norm.item(),
+        "completion_tokens": total_tokens,
+        "completion_len": total_tokens / len(examples),
+        "logprob_mismatch_max": mismatch_max,
+        "logprob_mismatch_mean": sums["mismatch"] / total_tokens,
+    }

