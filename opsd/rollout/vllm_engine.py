@@ -15,6 +15,7 @@ from opsd.rollout.engine import Completion, SamplingSettings
 def _set_env_defaults() -> None:
     # In-process engine core: starts in ~2 s instead of ~15 s and lets us hand it tensors directly.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the trainer's
     # The engine leaves ZMQ socket files behind; keep them out of the shared /tmp root.
     os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="opsd-vllm-"))
     if not torch.cuda.is_available():
