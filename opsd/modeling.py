@@ -15,9 +15,13 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
     """A local model directory (built first when `model.build` asks), or a hub id left to the loaders."""
     path = Path(cfg.path)
     if cfg.build and not (path / "config.json").exists():
-        from opsd import tiny_models
+        from opsd import convert_smollm2, tiny_models
 
-        build = tiny_models.build_tiny_vlm if cfg.build == "tiny-vlm" else tiny_models.build_tiny_text_model
+        build = {
+            "tiny-vlm": tiny_models.build_tiny_vlm,
+            "tiny-text": tiny_models.build_tiny_text_model,
+            "smollm2": convert_smollm2.convert,
+        }[cfg.build]
         build(path)
     looks_local = path.exists() or cfg.path.startswith((".", "/", "~")) or cfg.path.count("/") > 1
     if looks_local and not (path / "config.json").exists():

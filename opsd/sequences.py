@@ -67,13 +67,15 @@ def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: 
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     with_images = [p.vision for p in prompts if p.vision]
     if with_images:
-        if len(with_images) != len(prompts):
-            raise ValueError("a micro-batch mixes prompts with and without images; batch them apart")
-        for key in with_images[0]:
-            parts = [v[key] for v in with_images]
-            # Idefics-style [1, n_images, C, H, W] is padded per image; flat patch tensors
-            # (Qwen-VL style) concatenate along dim 0.
-            inputs[key] = _pad_images(parts) if parts[0].dim() >= 4 else torch.cat(parts)
+        for key, first in with_images[0].items():
+            if first.dim() >= 4:
+                # Idefics-style [1, n_images, C, H, W] is padded per image with all-zero images,
+                # which the model skips; a text-only row (a dataset mixture) holds only padding.
+                empty = first.new_zeros((1, 0, *first.shape[2:]))
+                inputs[key] = _pad_images([p.vision.get(key, empty) for p in prompts])
+            else:
+                # Flat patch tensors (Qwen-VL style) concatenate along dim 0; text rows add none.
+                inputs[key] = torch.cat([v[key] for v in with_images])
     completion_ids = torch.tensor([t for c in completions for t in c], dtype=torch.long)
     return ForwardBatch(inputs, predicts, completion_ids)
 

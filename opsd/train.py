@@ -20,10 +20,12 @@ import yaml
 from tqdm.auto import tqdm
 
 from opsd.config import Config, ConfigError, config_to_dict, load_config
-from opsd.data.dataset import load_train_samples
-from opsd.data.stream import SampleStream
+from opsd.data.dataset import describe_data, train_stream
+from opsd.data.errors import BadSampleError
+from opsd.data.validation import prompt_length_check
+from opsd.eval import Evaluator
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout import SamplingSettings, make_engine
 from opsd.sequences import build_examples, encode_prompt
 from opsd.teacher import make_teacher, update_teacher
@@ -50,7 +52,10 @@ def train(cfg: Config) -> Path:
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
     pad_id = getattr(processor, "tokenizer", processor).pad_token_id
-    stream = SampleStream(load_train_samples(cfg.data), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
+    # Datasets are opened (and checked against the config) before any weights are loaded.
+    check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
+    stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor))
+    evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
     student = load_model(cfg.model, processor, device)
@@ -77,7 +82,10 @@ def train(cfg: Config) -> Path:
             cfg.train.max_forward_tokens,
         )
         if not examples:
-            logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
+            logger.log(step, {
+                "skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0],
+                **stream.metrics(), **(evaluator.run_if_due(step, engine) if evaluator else {}),
+            })
             continue
 
         # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
@@ -101,6 +109,7 @@ def train(cfg: Config) -> Path:
         logger.log(step, {
             **metrics, **counts, "lr": lr,
             "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": t3 - t2,
+            **stream.metrics(), **(evaluator.run_if_due(step, engine) if evaluator else {}),
         })
 
     logger.close()
@@ -121,6 +130,9 @@ def describe_plan(cfg: Config) -> str:
         f"  loss {cfg.loss.kind}: jsd x{cfg.loss.jsd_weight} + ce x{cfg.loss.ce_weight}, beta={cfg.loss.beta}, "
         f"T={cfg.loss.temperature}, top_k={cfg.loss.top_k}, clip={cfg.loss.token_clip} ({cfg.loss.clip_mode})",
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
+        f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
+        f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"
+        f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
     ])
 
@@ -144,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
         return 0
-    train(cfg)
+    try:
+        train(cfg)
+    except (ConfigError, BadSampleError) as err:  # data that does not fit the config, a bad row
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,26 +1,263 @@
-"""Training and evaluation samples for a run, from the configured data directory."""
+"""The run's datasets: open each configured split through `datasets`, serve its rows as samples.
+
+    stream = train_stream(cfg, check=..., rank=0, world_size=1)   # mixture of training splits
+    samples, skipped = eval_samples(cfg, check=...)                # the fixed evaluation set
+
+Files are read with `datasets.load_dataset` one at a time (parquet, json lines, arrow, csv), so a
+bad row can be named by file and row; a directory written by `save_to_disk` is read with
+`load_from_disk`; a hub dataset name is read from the local cache only (offline). Rows stay in
+Arrow until drawn: images are decoded (and checked) one sample at a time.
+"""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import glob
+import itertools
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.config import DataConfig
+from opsd.config import SCHEMA_OF_SYNTHETIC, Config, DataConfig, DatasetConfig
+from opsd.data.errors import BadSample, BadSampleError, DataConfigError
 from opsd.data.sample import Sample
+from opsd.data.schemas import ColumnPlan, plan_columns
+from opsd.data.stream import SampleStream, bad_sample_error, checked_sample
+from opsd.data.validation import SampleRules, build_sample
+
+BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow", ".csv": "csv"}
 
 
-def prepare_data_dir(cfg: DataConfig) -> Path:
-    path = Path(cfg.path)
-    if cfg.synthetic is not None and not (path / "train.parquet").exists():
+@dataclass
+class RowSource:
+    """One split of one dataset: row i -> a validated `Sample` (the stream's `Source`)."""
+
+    name: str
+    table: object  # datasets.Dataset in Arrow format: rows come back with images still encoded
+    plan: ColumnPlan
+    rules: SampleRules
+    files: list[tuple[str, int]]
+    """(file, number of rows) in row order; a hub or `save_to_disk` dataset is one labelled entry."""
+    stats: Counter
+
+    def __post_init__(self):
+        self._ends = list(itertools.accumulate(rows for _, rows in self.files))
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def _locate(self, index: int) -> tuple[str, int]:
+        k = bisect.bisect_right(self._ends, index)
+        return self.files[k][0], index - (self._ends[k - 1] if k else 0)
+
+    def where(self, index: int) -> str:
+        file, row = self._locate(index)
+        return f"file {file}, row {row}"
+
+    def sample(self, index: int) -> Sample:
+        row = self.table[index].to_pylist()[0]
+        file = Path(self._locate(index)[0])
+        return build_sample(
+            row, self.plan, self.rules, default_id=f"{self.name}:{index}",
+            base_dir=file.parent if file.is_file() else None,  # relative image paths
+            stats=self.stats,
+        )
+
+
+def dataset_configs(cfg: DataConfig) -> list[tuple[str, DatasetConfig]]:
+    """(config key, dataset) pairs; `data.path` is shorthand for one dataset."""
+    if cfg.path is None:
+        return [(f"data.datasets.{i}", d) for i, d in enumerate(cfg.datasets)]
+    schema = SCHEMA_OF_SYNTHETIC[cfg.synthetic.kind] if cfg.synthetic else "project"
+    return [("data.path", DatasetConfig(path=cfg.path, schema=schema, eval_split="eval", synthetic=cfg.synthetic))]
+
+
+def describe_data(cfg: DataConfig) -> str:
+    """One line for the run plan: each dataset with its schema, splits and mixture share."""
+    pairs = dataset_configs(cfg)
+    total = sum(d.weight for _, d in pairs)
+    return ", ".join(
+        f"{d.name or d.path} ({d.schema} schema, split {d.split}, eval split {d.eval_split}, {d.weight / total:.0%})"
+        for _, d in pairs
+    )
+
+
+def prepare(dataset: DatasetConfig) -> None:
+    """Generate the synthetic dataset into `path` when asked and not there yet."""
+    path, s = Path(dataset.path), dataset.synthetic
+    if s is None or (path.is_dir() and any(path.iterdir())):
+        return
+    if s.kind == "grid-paths":
         from opsd.data.synthetic import write_dataset
 
-        s = cfg.synthetic
         write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, image_size=s.image_size)
-    if not (path / "train.parquet").exists():
-        raise FileNotFoundError(f"data.path: no train.parquet in {path}")
-    return path
+    else:
+        from opsd.data.arithmetic import write_dataset
+
+        write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed)
 
 
-def load_train_samples(cfg: DataConfig) -> list[Sample]:
-    from opsd.data.synthetic import load_samples
+def _pick_split(requested: str, available: list[str], where: str) -> str:
+    """`requested`, or the split `datasets` files its name under (`eval` -> `test`, `val` -> `validation`)."""
+    from datasets.data_files import SPLIT_KEYWORDS
 
-    return load_samples(prepare_data_dir(cfg) / "train.parquet")
+    if requested in available:
+        return requested
+    for split, keywords in SPLIT_KEYWORDS.items():
+        if requested in keywords and str(split) in available:
+            return str(split)
+    raise DataConfigError(f"{where}: no split {requested!r}; the splits are: {', '.join(available)}")
+
+
+@contextlib.contextmanager
+def _quiet_and_offline():
+    """No progress bars, and no network: hub names resolve from the local cache or fail.
+
+    `datasets` reads HF_HUB_OFFLINE once, at import; flipping its config flag is the only way to
+    go offline for a process that imported it already.
+    """
+    import datasets
+
+    bars_were_off, was_offline = datasets.are_progress_bars_disabled(), datasets.config.HF_HUB_OFFLINE
+    datasets.disable_progress_bars()
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = was_offline
+        if not bars_were_off:
+            datasets.enable_progress_bars()
+
+
+def _split_files(path: Path, split: str, where: str) -> list[str]:
+    if path.is_file():
+        _pick_split(split, ["train"], f"{where} ({path} is one file, its split is train)")
+        return [str(path)]
+    if path.is_dir():
+        from datasets.data_files import DataFilesDict, get_data_patterns
+
+        try:
+            found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+        except Exception as err:  # EmptyDatasetError, FileNotFoundError
+            raise DataConfigError(f"{where}: no data files in {path} ({err})") from None
+        return list(found[_pick_split(split, [str(s) for s in found], where)])
+    files = sorted(glob.glob(str(path), recursive=True))
+    if not files:
+        raise DataConfigError(f"{where}: no file matches {path}")
+    _pick_split(split, ["train"], f"{where} ({path} is a glob, its split is train)")
+    return files
+
+
+def _load_file(file: str, where: str):
+    from datasets import load_dataset
+
+    builder = BUILDERS.get(Path(file).suffix.lower())
+    if builder is None:
+        raise DataConfigError(f"{where}: {file}: unsupported file type (supported: {', '.join(BUILDERS)})")
+    try:
+        return load_dataset(builder, data_files=[file], split="train")
+    except Exception as err:  # DatasetGenerationError and friends: the file itself is unreadable
+        cause = err.__cause__ or err
+        raise DataConfigError(f"{where}: cannot read {file}: {type(cause).__name__}: {cause}") from None
+
+
+def _load_table(dataset: DatasetConfig, split: str, where: str):
+    """(datasets.Dataset, [(file, rows)]) for one split."""
+    import datasets
+
+    path = Path(dataset.path).expanduser()
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded[_pick_split(split, list(loaded), where)]
+        return loaded, [(f"{path} (split {split})", len(loaded))]
+    is_hub_name = not path.exists() and not glob.has_magic(dataset.path) and dataset.path.count("/") <= 1
+    if is_hub_name and not dataset.path.startswith((".", "/", "~")):
+        try:
+            table = datasets.load_dataset(dataset.path, split=split)
+        except Exception as err:
+            raise DataConfigError(
+                f"{where}: {dataset.path!r} is not a local file or directory, and not a dataset in the local "
+                f"Hugging Face cache (runs are offline: fetch it beforehand with "
+                f"datasets.load_dataset({dataset.path!r}) where there is network, or point path at local files): {err}"
+            ) from None
+        return table, [(f"hub dataset {dataset.path} (split {split})", len(table))]
+    if not path.exists() and not glob.has_magic(dataset.path):
+        raise DataConfigError(f"{where}: no such file or directory: {path}")
+    parts = [(file, _load_file(file, where)) for file in _split_files(path, split, where)]
+    try:
+        table = datasets.concatenate_datasets([t for _, t in parts]) if len(parts) > 1 else parts[0][1]
+    except ValueError as err:
+        raise DataConfigError(f"{where}: the files of split {split} have different columns: {err}") from None
+    return table, [(file, len(t)) for file, t in parts]
+
+
+def open_source(cfg: Config, key: str, dataset: DatasetConfig, split: str, stats: Counter) -> RowSource:
+    """One split of `dataset` as a `RowSource`; every config/data mismatch is raised here, at start."""
+    name = dataset.name or dataset.path
+    where = f"{key} ({name})"
+    prepare(dataset)
+    with _quiet_and_offline():
+        table, files = _load_table(dataset, split, where)
+    plan = plan_columns(
+        dataset.schema, list(table.column_names), overrides=dict(dataset.columns),
+        max_reference_rounds=cfg.data.max_reference_rounds, privileged=list(cfg.prompts.privileged), where=where,
+    )
+    if len(table) == 0:
+        raise DataConfigError(f"{where}: split {split} has no rows")
+    table = table.select_columns(plan.all_columns()).with_format("arrow")
+    rules = SampleRules.from_config(cfg.data, plan)
+    return RowSource(name=f"{name}[{split}]", table=table, plan=plan, rules=rules, files=files, stats=stats)
+
+
+def check_fits_model(sources: list[RowSource], multimodal: bool) -> None:
+    """A text-only model cannot take images: refuse at start rather than at the first prompt."""
+    if multimodal:
+        return
+    for source in sources:
+        image_columns = source.plan.columns["images"] + source.plan.columns["privileged_images"]
+        if image_columns:
+            raise DataConfigError(
+                f"dataset {source.name} has image columns ({', '.join(image_columns)}) but the model is "
+                "text-only; use a vision-language model, or turn them off with columns.images: [] "
+                "(and prompts.privileged without images)"
+            )
+
+
+def train_stream(cfg: Config, *, check=None, multimodal: bool = True, rank: int = 0, world_size: int = 1) -> SampleStream:
+    """The training mixture; `rank`/`world_size` select this data-parallel rank's shard."""
+    stats = Counter()
+    pairs = dataset_configs(cfg.data)
+    sources = [open_source(cfg, key, d, d.split, stats) for key, d in pairs]
+    check_fits_model(sources, multimodal)
+    return SampleStream(
+        sources, weights=[d.weight for _, d in pairs], seed=cfg.train.seed, shuffle=cfg.data.shuffle,
+        rank=rank, world_size=world_size, on_bad_sample=cfg.data.on_bad_sample, check=check, stats=stats,
+    )
+
+
+def eval_samples(cfg: Config, *, check=None, multimodal: bool = True) -> tuple[list[Sample], Counter]:
+    """The evaluation set: the first `eval.num_samples` usable rows of the eval splits, taken in
+    turn from each dataset, in file order (the same set at every evaluation), and the skip counts."""
+    stats = Counter()
+    pairs = [(key, d) for key, d in dataset_configs(cfg.data) if d.eval_split]
+    if not pairs:
+        raise DataConfigError("eval.every is set, but no dataset has an eval_split (data.datasets.N.eval_split)")
+    sources = [open_source(cfg, key, d, d.eval_split, stats) for key, d in pairs]
+    check_fits_model(sources, multimodal)
+    samples, cursors = [], [0] * len(sources)
+    while len(samples) < cfg.eval.num_samples and any(c < len(s) for c, s in zip(cursors, sources)):
+        for k, source in enumerate(sources):
+            if cursors[k] >= len(source) or len(samples) == cfg.eval.num_samples:
+                continue
+            index, cursors[k] = cursors[k], cursors[k] + 1
+            try:
+                samples.append(checked_sample(source, index, check))
+            except BadSample as bad:
+                if cfg.data.on_bad_sample == "error":
+                    raise bad_sample_error(source, index, bad) from None
+                stats[f"skipped_{bad.reason}"] += 1
+    if not samples:
+        raise BadSampleError(f"no usable evaluation sample; skipped: {dict(stats)}")
+    return samples, stats

@@ -1,46 +1,168 @@
-"""An endless, epoch-shuffled stream of samples whose position can be saved and restored."""
+"""An endless stream of training samples drawn from a weighted mixture of datasets.
+
+- Every draw first picks a dataset with probability proportional to its weight, then takes that
+  dataset's next row in its epoch order. Both are pure functions of (seed, draw number, epoch), so
+  the stream is reproducible and its position is a handful of integers (`state_dict`).
+- Each dataset is reshuffled every epoch from (seed, dataset index, epoch). With `world_size` > 1,
+  rank r takes positions r, r + W, r + 2W, ... of the epoch order (the tail that does not divide
+  evenly is left out), so the ranks' samples within an epoch are disjoint; the dataset choice is
+  the same on every rank.
+- A bad row (`BadSample`) is skipped and counted once per row (`stats`), or, with
+  `on_bad_sample="error"`, stops the run naming the dataset, file and row. A row known to be bad
+  is not decoded again in later epochs.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Callable, Protocol
+
 import numpy as np
 
+from opsd.data.errors import BadSample, BadSampleError
 from opsd.data.sample import Sample
+
+MIXTURE_STREAM = 0x6D6978  # separates the dataset-choice RNG stream from the shuffles
+
+
+class Source(Protocol):
+    """A dataset split: `sample(i)` is row i as a `Sample` (or raises `BadSample`)."""
+
+    name: str
+
+    def __len__(self) -> int: ...
+
+    def sample(self, index: int) -> Sample: ...
+
+    def where(self, index: int) -> str:
+        """Where row `index` comes from, for messages: `file F, row R`."""
+
+
+def checked_sample(source: Source, index: int, check: Callable[[Sample], None] | None) -> Sample:
+    """Row `index` of `source` as a sample that passed `check`; raises `BadSample`."""
+    sample = source.sample(index)
+    if check is not None:
+        check(sample)
+    return sample
+
+
+def bad_sample_error(source: Source, index: int, bad: BadSample) -> BadSampleError:
+    return BadSampleError(f"dataset {source.name}, {source.where(index)}: {bad} (data.on_bad_sample is error)")
 
 
 class SampleStream:
-    def __init__(self, samples: list[Sample], *, seed: int = 0, shuffle: bool = True):
-        if not samples:
-            raise ValueError("the dataset holds no samples")
-        self.samples = samples
-        self.seed = seed
-        self.shuffle = shuffle
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order()
+    def __init__(
+        self,
+        sources: list[Source],
+        *,
+        weights: list[float] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        on_bad_sample: str = "skip",
+        check: Callable[[Sample], None] | None = None,
+        stats: Counter | None = None,
+    ):
+        """`check(sample)` may raise `BadSample` for reasons only the trainer knows (prompt length);
+        `stats` is the counter the sources add their notes to (converted images), if shared."""
+        if not sources:
+            raise ValueError("no datasets to draw from")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        weights = [1.0] * len(sources) if weights is None else list(weights)
+        if len(weights) != len(sources) or min(weights) <= 0:
+            raise ValueError("need one positive weight per dataset")
+        for source in sources:
+            if len(source) < world_size:
+                raise ValueError(f"dataset {source.name} has {len(source)} rows, fewer than the {world_size} ranks")
+        self.sources = sources
+        self.probabilities = np.asarray(weights, dtype=np.float64) / sum(weights)
+        self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
+        self.on_bad_sample = on_bad_sample
+        self.check = check
+        self.stats = Counter() if stats is None else stats
+        self.draws = 0
+        self.epochs = [0] * len(sources)
+        self.positions = [0] * len(sources)
+        self.bad: list[dict[int, str]] = [{} for _ in sources]
+        self._orders = [self._epoch_order(k) for k in range(len(sources))]
 
-    def _epoch_order(self) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.samples))
-        return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.samples))
+    def _epoch_order(self, k: int) -> np.ndarray:
+        """This rank's row indices of dataset k for its current epoch."""
+        n = len(self.sources[k])
+        order = np.arange(n)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, k, self.epochs[k]]).permutation(n)
+        usable = n - n % self.world_size
+        return order[self.rank : usable : self.world_size]
+
+    def _choose(self) -> int:
+        if len(self.sources) == 1:
+            return 0
+        rng = np.random.default_rng([self.seed, MIXTURE_STREAM, self.draws])
+        return int(rng.choice(len(self.sources), p=self.probabilities))
+
+    def _next_index(self, k: int) -> int:
+        if self.positions[k] == len(self._orders[k]):
+            self.epochs[k], self.positions[k] = self.epochs[k] + 1, 0
+            self._orders[k] = self._epoch_order(k)
+        index = int(self._orders[k][self.positions[k]])
+        self.positions[k] += 1
+        return index
 
     def take(self, n: int) -> list[Sample]:
         batch = []
+        misses = [0] * len(self.sources)  # consecutive bad draws per dataset
         while len(batch) < n:
-            if self.position == len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._epoch_order()
-            batch.append(self.samples[self._order[self.position]])
-            self.position += 1
+            k = self._choose()
+            self.draws += 1
+            index = self._next_index(k)
+            if index in self.bad[k]:
+                sample = None
+            else:
+                try:
+                    sample = checked_sample(self.sources[k], index, self.check)
+                except BadSample as bad:
+                    if self.on_bad_sample == "error":
+                        raise bad_sample_error(self.sources[k], index, bad) from None
+                    self.bad[k][index] = bad.reason
+                    self.stats[f"skipped_{bad.reason}"] += 1
+                    sample = None
+            if sample is None:
+                misses[k] += 1
+                if misses[k] > len(self._orders[k]):
+                    reasons = Counter(self.bad[k].values())
+                    raise BadSampleError(
+                        f"dataset {self.sources[k].name}: no usable row in a whole epoch; skipped: {dict(reasons)}"
+                    )
+                continue
+            misses[k] = 0
+            batch.append(sample)
         return batch
 
+    def metrics(self) -> dict[str, int]:
+        """Counts so far, keyed for metrics.jsonl: `data/skipped_<reason>`, `data/images_converted_to_rgb`, ..."""
+        return {f"data/{key}": value for key, value in sorted(self.stats.items())}
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.samples)}
+        """Plain ints and strings: everything a resumed run needs to continue with the next sample."""
+        return {
+            "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+            "sizes": [len(s) for s in self.sources], "names": [s.name for s in self.sources],
+            "draws": self.draws, "epochs": list(self.epochs), "positions": list(self.positions),
+            "bad": [{str(i): reason for i, reason in b.items()} for b in self.bad],
+            "stats": dict(self.stats),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["size"] != len(self.samples) or state["seed"] != self.seed:
-            raise ValueError(
-                f"data stream state is for {state['size']} samples with seed {state['seed']}, "
-                f"this dataset has {len(self.samples)} samples with seed {self.seed}"
-            )
-        self.epoch, self.position = state["epoch"], state["position"]
-        self._order = self._epoch_order()
+        mine = self.state_dict()
+        for key in ("seed", "rank", "world_size", "sizes", "names"):
+            if state[key] != mine[key]:
+                raise ValueError(f"data stream state has {key}={state[key]}, this stream has {mine[key]}")
+        self.draws = state["draws"]
+        self.epochs, self.positions = list(state["epochs"]), list(state["positions"])
+        self.bad = [{int(i): reason for i, reason in b.items()} for b in state["bad"]]
+        self.stats.clear()
+        self.stats.update(state["stats"])
+        self._orders = [self._epoch_order(k) for k in range(len(self.sources))]

@@ -5,6 +5,13 @@ from opsd.rollout.engine import Completion, RolloutEngine, SamplingSettings
 __all__ = ["Completion", "RolloutEngine", "SamplingSettings", "make_engine"]
 
 
+def images_per_prompt(cfg) -> int:
+    """Most images one engine prompt holds: the problem images, plus the privileged ones when the
+    teacher's prompt is evaluated too."""
+    teacher_images = cfg.eval.every and cfg.eval.with_teacher_prompt and "images" in cfg.prompts.privileged
+    return cfg.data.max_problem_images + (cfg.data.max_reference_rounds if teacher_images else 0)
+
+
 def make_engine(cfg, model_path, processor) -> RolloutEngine:
     """The configured engine for `model_path`, holding the same weights as the trainer's student."""
     if cfg.rollout.engine == "hf":
@@ -19,6 +26,7 @@ def make_engine(cfg, model_path, processor) -> RolloutEngine:
         str(model_path),
         dtype=cfg.model.dtype,
         max_model_len=cfg.train.max_forward_tokens,
+        max_images_per_prompt=images_per_prompt(cfg),
         kv_cache_memory_mb=cfg.rollout.kv_cache_memory_mb,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         enforce_eager=cfg.rollout.enforce_eager,

@@ -18,6 +18,7 @@ from opsd.prompts import Prompt
 class SamplingSettings:
     max_new_tokens: int
     temperature: float = 1.0
+    """0 = greedy (evaluation), in every engine."""
     top_p: float = 1.0
     top_k: int = 0
     """0 = off."""

@@ -40,12 +40,12 @@ class HFEngine:
     def _generate_batch(self, prompts: list[Prompt], sampling: SamplingSettings, index_offset: int) -> list[Completion]:
         inputs = self._encode(prompts)
         eos = self.model.generation_config.eos_token_id
+        greedy = sampling.temperature == 0
+        warpers = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or None}
         out = self.model.generate(
             **inputs,
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k or None,
+            do_sample=not greedy,
+            **warpers,
             max_new_tokens=sampling.max_new_tokens,
             num_return_sequences=sampling.n,
             bad_words_ids=[[t] for t in sampling.banned_token_ids] or None,

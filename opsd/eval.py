@@ -1,0 +1,91 @@
+"""Evaluation: greedy answers from the rollout engine, scored by normalised exact match.
+
+Every `eval.every` steps (and after the last) the engine, which holds the current student weights,
+answers the fixed evaluation set greedily. The answer is the last match of `eval.answer_pattern`
+in the completion (`<answer>...</answer>` by default); it is right when it equals the reference
+answer after normalisation. With `eval.with_teacher_prompt` the same set is also answered from
+the teacher's prompt: the gap between the two accuracies is what the privileged information is
+worth, i.e. what distillation can hope to move into the student.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from opsd.config import EvalConfig, PromptConfig
+from opsd.data.sample import Sample
+from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.rollout.engine import SamplingSettings
+
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+
+def extract_answer(text: str, pattern: str) -> str | None:
+    """The last match of `pattern` in `text` (its first group when it has one), or None."""
+    matches = list(re.finditer(pattern, text, flags=re.DOTALL))
+    if not matches:
+        return None
+    last = matches[-1]
+    return last.group(1) if last.re.groups else last.group(0)
+
+
+def normalise_answer(answer: str) -> str:
+    """Case, surrounding spaces/markup and final punctuation do not count; numbers compare by
+    value ("1,000" = "1000", "12.0" = "12")."""
+    text = " ".join(answer.strip().casefold().split())
+    text = text.strip("*$`\"' ").rstrip(".!").strip()
+    boxed = re.fullmatch(r"\\boxed\{(.*)\}", text)
+    if boxed:
+        text = boxed.group(1).strip()
+    number = text.replace(",", "")
+    if _NUMBER.fullmatch(number):
+        value = float(number)
+        return str(int(value)) if value.is_integer() else str(value)
+    return text
+
+
+def is_correct(completion: str, reference: str, pattern: str) -> bool:
+    answer = extract_answer(completion, pattern)
+    return answer is not None and normalise_answer(answer) == normalise_answer(reference)
+
+
+def eval_due(step: int, cfg: EvalConfig, max_steps: int) -> bool:
+    return cfg.every > 0 and (step % cfg.every == 0 or step == max_steps)
+
+
+def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig, cfg: EvalConfig) -> dict:
+    """`eval/accuracy` and `eval/answered` (share of completions with an extractable answer), and the
+    same with the teacher's prompt (`eval/teacher_*`) when configured."""
+    t0 = time.perf_counter()
+    settings = SamplingSettings(
+        max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1, banned_token_ids=placeholder_token_ids(processor)
+    )
+    roles = [("", student_prompt)] + ([("teacher_", teacher_prompt)] if cfg.with_teacher_prompt else [])
+    metrics = {}
+    for prefix, render in roles:
+        completions = engine.generate([render(s, processor, prompt_cfg) for s in samples], settings)
+        texts = [c.text for c in sorted(completions, key=lambda c: c.prompt_index)]
+        metrics[f"eval/{prefix}accuracy"] = sum(
+            is_correct(text, s.answer, cfg.answer_pattern) for text, s in zip(texts, samples, strict=True)
+        ) / len(samples)
+        metrics[f"eval/{prefix}answered"] = sum(extract_answer(t, cfg.answer_pattern) is not None for t in texts) / len(samples)
+    metrics["eval/num_samples"] = len(samples)
+    metrics["time_eval_s"] = time.perf_counter() - t0
+    return metrics
+
+
+class Evaluator:
+    """The run's evaluation set and settings; `run_if_due(step, engine)` -> metrics or {}."""
+
+    def __init__(self, cfg, processor, *, check=None, multimodal: bool = True):
+        from opsd.data.dataset import eval_samples
+
+        self.samples, counts = eval_samples(cfg, check=check, multimodal=multimodal)
+        self.data_counts = {f"data/eval_{key}": n for key, n in sorted(counts.items())}
+        self.processor, self.prompt_cfg, self.cfg, self.max_steps = processor, cfg.prompts, cfg.eval, cfg.train.max_steps
+
+    def run_if_due(self, step: int, engine) -> dict:
+        if not eval_due(step, self.cfg, self.max_steps):
+            return {}
+        return {**evaluate(engine, self.samples, self.processor, self.prompt_cfg, self.cfg), **self.data_counts}
