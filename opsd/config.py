@@ -282,16 +282,29 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), yaml.safe_load(raw) if raw else ""
 
 
+def _list_index(node: list, part: str, item: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override {item!r}: {part} is not an index of a list of {len(node)}")
+    return int(part)
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set each `a.b.c=value`; a number indexes a list (`data.datasets.0.path=...`)."""
     for item in overrides:
         path, value = parse_override(item)
         node = raw
         for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
+            if isinstance(node, list):
+                child = node[_list_index(node, part, item)]
+            else:
+                child = node.setdefault(part, {})
+            if not isinstance(child, (dict, list)):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
             node = child
-        node[path[-1]] = value
+        if isinstance(node, list):
+            node[_list_index(node, path[-1], item)] = value
+        else:
+            node[path[-1]] = value
     return raw
 
 

