@@ -89,6 +89,8 @@ class RolloutConfig:
     """vLLM KV cache size in MiB; None = let vLLM size it from `gpu_memory_utilization`."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.3
     enforce_eager: bool = True
+    sync_bucket_mb: Annotated[float, Field(gt=0)] = 256
+    """Weight sync streams full tensors to the engine in buckets of at most this size."""
 
 
 @dataclass(config=_STRICT)

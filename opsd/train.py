@@ -25,6 +25,7 @@ from opsd.data.stream import SampleStream
 from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout import SamplingSettings, make_engine
+from opsd.rollout.weight_sync import push_weights
 from opsd.sequences import build_examples, encode_prompt
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.device import resolve_device, seed_everything
@@ -95,12 +96,12 @@ def train(cfg: Config) -> Path:
 
         # 4. Push the new weights into the engine so the next rollouts are on-policy.
         t2 = time.perf_counter()
-        engine.update_weights((name, p.detach()) for name, p in student.named_parameters())
-        t3 = time.perf_counter()
+        sync = push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
 
         logger.log(step, {
             **metrics, **counts, "lr": lr,
-            "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": t3 - t2,
+            "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": sync.seconds,
+            "weight_sync_bytes": sync.bytes,
         })
 
     logger.close()
