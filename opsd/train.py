@@ -23,9 +23,9 @@ from opsd.config import Config, ConfigError, config_to_dict, load_config
 from opsd.data.dataset import load_train_samples
 from opsd.data.stream import SampleStream
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.prompts import placeholder_token_ids, student_prompt
 from opsd.rollout import SamplingSettings, make_engine
-from opsd.sequences import build_examples, encode_prompt
+from opsd.sequences import build_sample_examples
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.device import resolve_device, seed_everything
 from opsd.trainer.metrics import MetricsLogger
@@ -69,12 +69,8 @@ def train(cfg: Config) -> Path:
 
         # 2. Student and teacher sequences end with the identical completion ids.
         t1 = time.perf_counter()
-        examples, counts = build_examples(
-            [encode_prompt(processor, p) for p in student_prompts],
-            [encode_prompt(processor, teacher_prompt(s, processor, cfg.prompts)) for s in samples],
-            [s.id for s in samples],
-            completions,
-            cfg.train.max_forward_tokens,
+        examples, counts = build_sample_examples(
+            processor, cfg.prompts, samples, student_prompts, completions, cfg.train.max_forward_tokens
         )
         if not examples:
             logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
