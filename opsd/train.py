@@ -25,6 +25,7 @@ from opsd.data.stream import SampleStream
 from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import placeholder_token_ids, student_prompt
 from opsd.rollout import SamplingSettings, make_engine
+from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
 from opsd.sequences import build_sample_examples
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.device import resolve_device, seed_everything
@@ -78,6 +79,7 @@ def train(cfg: Config) -> Path:
 
         # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
         lr = scheduler.get_last_lr()[0]
+        recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
         metrics = train_step(
             student, teacher, examples, optimizer,
             loss_cfg=cfg.loss,
@@ -85,6 +87,7 @@ def train(cfg: Config) -> Path:
             max_grad_norm=cfg.optim.max_grad_norm,
             dtype=cfg.model.dtype,
             pad_id=pad_id,
+            on_scored=recorder.collect if recorder else None,
         )
         scheduler.step()
         update_teacher(cfg.teacher, teacher, student)
@@ -94,6 +97,8 @@ def train(cfg: Config) -> Path:
         engine.update_weights((name, p.detach()) for name, p in student.named_parameters())
         t3 = time.perf_counter()
 
+        if recorder:
+            recorder.write(output_dir / ROLLOUTS_SUBDIR, step, examples, samples, processor, cfg.prompts)
         logger.log(step, {
             **metrics, **counts, "lr": lr,
             "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": t3 - t2,
