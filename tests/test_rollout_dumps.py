@@ -54,6 +54,42 @@ def test_token_scores_split_a_micro_batch_per_completion():
     assert token_scores(micro, scored, top_n=0, chunk_size=2)[0].teacher_top_ids is None
 
 
+MEMORY_PROBE = """
+import resource, sys, torch
+from opsd.rollout.dumps import token_scores
+from opsd.sequences import EncodedPrompt, Example
+from opsd.trainer.step import ScoredBatch
+
+n, v, chunk = 2048, 32768, 128
+logits = [torch.randn(n, v, dtype=torch.bfloat16) for _ in range(2)]  # student, teacher
+micro = [Example(str(i), EncodedPrompt([0]), EncodedPrompt([0]), [1] * 256, [0.0] * 256) for i in range(n // 256)]
+scored = ScoredBatch(torch.randint(0, v, (n,)), torch.zeros(n), *logits, torch.zeros(n), torch.zeros(n))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+token_scores(micro, scored, top_n=8, chunk_size=chunk)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_per_token_records_stay_within_a_chunk_of_memory():
+    """Issue: dumping top-n never materialises more than the logits the step already holds. The
+    growth is bounded by float32 [chunk, V] working copies (~3 here), not by [N, V].
+
+    A fixed glibc mmap threshold makes every chunk-sized buffer its own mapping, so peak RSS counts
+    live tensors only; with the default dynamic threshold the heap may keep freed chunks and peak
+    RSS then also counts allocator caching (seen: up to N x V float32, for the step's own chunked
+    token_logprobs as much as for the dump's).
+    """
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE], capture_output=True, text=True, check=True, env=env)
+    growth = int(out.stdout.strip().splitlines()[-1])
+    chunk_f32_bytes = 128 * 32768 * 4
+    assert growth < 4 * chunk_f32_bytes  # 64 MiB; the bf16 teacher logits are 128 MiB, a float32 copy 256 MiB
+
+
 def test_recorder_only_on_dump_steps():
     base = ["model.path=m", "data.path=d"]
     assert recorder_for_step(load_config("configs/demo.yaml", base), 4) is None  # off by default
