@@ -156,6 +156,12 @@ class LoggingConfig:
     log_every: Annotated[int, Field(gt=0)] = 1
     progress_bar: bool = True
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    dump_rollouts_every: Annotated[int, Field(ge=0)] = 0
+    """Write every N-th step's rollouts with per-token scores to
+    `<output_dir>/rollouts/step_{N}_rank_{R}.parquet`; 0 = off (nothing is computed)."""
+    dump_top_n: Annotated[int, Field(ge=0)] = 5
+    """With dumping on (or `opsd.rollouts dump`): also record the teacher's n most likely tokens
+    and their probabilities at every completion position; 0 = off."""
 
 
 @dataclass(config=_STRICT)

@@ -23,10 +23,11 @@ from opsd.config import Config, ConfigError, config_to_dict, load_config
 from opsd.data.dataset import load_train_samples
 from opsd.data.stream import SampleStream
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.prompts import placeholder_token_ids, student_prompt
 from opsd.rollout import SamplingSettings, make_engine
+from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
 from opsd.rollout.weight_sync import push_weights
-from opsd.sequences import build_examples, encode_prompt
+from opsd.sequences import build_sample_examples
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.device import resolve_device, seed_everything
 from opsd.trainer.metrics import MetricsLogger
@@ -70,12 +71,8 @@ def train(cfg: Config) -> Path:
 
         # 2. Student and teacher sequences end with the identical completion ids.
         t1 = time.perf_counter()
-        examples, counts = build_examples(
-            [encode_prompt(processor, p) for p in student_prompts],
-            [encode_prompt(processor, teacher_prompt(s, processor, cfg.prompts)) for s in samples],
-            [s.id for s in samples],
-            completions,
-            cfg.train.max_forward_tokens,
+        examples, counts = build_sample_examples(
+            processor, cfg.prompts, samples, student_prompts, completions, cfg.train.max_forward_tokens
         )
         if not examples:
             logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
@@ -83,6 +80,7 @@ def train(cfg: Config) -> Path:
 
         # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
         lr = scheduler.get_last_lr()[0]
+        recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
         metrics = train_step(
             student, teacher, examples, optimizer,
             loss_cfg=cfg.loss,
@@ -90,6 +88,7 @@ def train(cfg: Config) -> Path:
             max_grad_norm=cfg.optim.max_grad_norm,
             dtype=cfg.model.dtype,
             pad_id=pad_id,
+            on_scored=recorder.collect if recorder else None,
         )
         scheduler.step()
         update_teacher(cfg.teacher, teacher, student)
@@ -98,6 +97,8 @@ def train(cfg: Config) -> Path:
         t2 = time.perf_counter()
         sync = push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
 
+        if recorder:
+            recorder.write(output_dir / ROLLOUTS_SUBDIR, step, examples, samples, processor, cfg.prompts)
         logger.log(step, {
             **metrics, **counts, "lr": lr,
             "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": sync.seconds,
