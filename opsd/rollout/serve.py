@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from opsd.modeling import prepare_model_dir
 
-    command, env = serve_command(cfg, prepare_model_dir(cfg.model), extra)
+    model_path = cfg.model.path if args.print else prepare_model_dir(cfg.model)  # builds a tiny model if asked
+    command, env = serve_command(cfg, model_path, extra)
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command)
     if args.print:
         print(line)
