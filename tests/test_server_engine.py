@@ -85,3 +85,16 @@ def test_missing_server_is_reported_with_the_launch_command(tiny_text_dir):
     processor = load_processor(ModelConfig(path=str(tiny_text_dir)))
     with pytest.raises(ServerError, match="no healthy rollout server .*`python -m opsd.rollout.serve"):
         ServerEngine(f"http://127.0.0.1:{free_port()}", processor, startup_timeout_s=1)
+
+
+def test_serve_prints_the_server_command_of_the_config(capsys):
+    from opsd.rollout.serve import main
+
+    assert main(["--config", "configs/demo.yaml", "--print", "rollout.server.url=http://127.0.0.1:8123", "--", "--max-num-seqs", "8"]) == 0
+    line = capsys.readouterr().out
+    for part in (
+        "VLLM_SERVER_DEV_MODE=1", "--model artifacts/tiny-vlm", "--host 127.0.0.1 --port 8123", "--dtype float32",
+        "--max-model-len 1024", "--worker-extension-cls opsd.rollout.server_worker.WeightSyncExtension",
+        "--enable-scale-out", "--kv-cache-memory-bytes 67108864", "--enforce-eager", "--max-num-seqs 8",
+    ):
+        assert part in line
