@@ -73,11 +73,15 @@ def test_training_with_a_vllm_server_stays_on_policy(served_config, tiny_vlm_dir
     processor = load_processor(cfg.model)
     initial = load_model(ModelConfig(path=str(tiny_vlm_dir)), processor, torch.device("cpu"))
     prompts = [student_prompt(s, processor, PromptConfig()) for s in generate_samples(2, seed=5)]
+    allowed = set(range(100, 120))  # banned tokens reach the server: only these may be sampled
+    banned = [t for t in range(len(processor.tokenizer)) if t not in allowed]
     engine = ServerEngine(cfg.rollout.server.url, processor)
     try:
-        completions = engine.generate(prompts, SamplingSettings(max_new_tokens=6, n=1, seed=0))
+        completions = engine.generate(prompts, SamplingSettings(max_new_tokens=6, n=2, seed=0, banned_token_ids=banned))
     finally:
         engine.close()
+    assert [c.prompt_index for c in completions] == [0, 0, 1, 1]
+    assert {t for c in completions for t in c.token_ids} <= allowed
     assert (trainer_logprobs(initial, processor, prompts, completions) - engine_logprobs(completions)).abs().max() > 1e-3
 
 
