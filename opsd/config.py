@@ -10,8 +10,8 @@ import dataclasses
 import ipaddress
 import re
 from pathlib import Path
-from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
