@@ -7,11 +7,14 @@ that names the key (e.g. `rollout.temperature: Input should be greater than 0`).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 _STRICT = ConfigDict(extra="forbid")
@@ -75,10 +78,45 @@ class PromptConfig:
     """Ablation: replace privileged images with Gaussian noise of the same size."""
 
 
+BUILTIN_ENGINES = ("vllm", "hf", "server")
+ENGINE_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+@dataclass(config=_STRICT)
+class ServerEngineConfig:
+    url: str = "http://127.0.0.1:8000"
+    """Base URL of the separate `vllm serve` (see `python -m opsd.rollout.serve`). Loopback only:
+    weights travel through files on this host, and the server's dev endpoints must not be exposed."""
+    weights_dir: str | None = None
+    """Where weight buckets are staged for the server to read; None = a fresh dir under /dev/shm."""
+    startup_timeout_s: NonNegative = 300
+    """How long to wait for the server to become healthy before giving up."""
+    request_timeout_s: Positive = 600
+    max_parallel_requests: Annotated[int, Field(gt=0)] = 32
+    """Generation requests in flight at once (one per prompt; the server batches them)."""
+
+    @field_validator("url")
+    @classmethod
+    def _loopback_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http(s) URL")
+        host = parts.hostname
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"host {host!r} is not a loopback address (127.0.0.1, ::1, localhost)")
+        return url.rstrip("/")
+
+
 @dataclass(config=_STRICT)
 class RolloutConfig:
-    engine: Literal["vllm", "hf"] = "vllm"
-    """`vllm`: colocated in-process vLLM engine; `hf`: transformers `generate`."""
+    engine: str = "vllm"
+    """`vllm`: colocated in-process vLLM engine; `hf`: transformers `generate`; `server`: a separate
+    `vllm serve` over HTTP (`rollout.server`); or `package.module:Name`, a class (or factory) of your
+    own called as `Name(cfg=..., model_path=..., processor=...)` (see README, custom rollouts)."""
     samples_per_prompt: Annotated[int, Field(gt=0)] = 1
     max_new_tokens: Annotated[int, Field(gt=0)] = 64
     temperature: Positive = 1.0
@@ -91,6 +129,15 @@ class RolloutConfig:
     enforce_eager: bool = True
     sync_bucket_mb: Annotated[float, Field(gt=0)] = 256
     """Weight sync streams full tensors to the engine in buckets of at most this size."""
+    server: ServerEngineConfig = dataclasses.field(default_factory=ServerEngineConfig)
+    """The out-of-process engine (`engine: server`)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_name_or_import_path(cls, engine: str) -> str:
+        if engine in BUILTIN_ENGINES or ENGINE_IMPORT_PATH.match(engine):
+            return engine
+        raise ValueError(f"must be one of {', '.join(BUILTIN_ENGINES)} or an import path 'package.module:ClassName'")
 
 
 @dataclass(config=_STRICT)

@@ -56,6 +56,8 @@ def train(cfg: Config) -> Path:
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
     student = load_model(cfg.model, processor, device)
+    # Start on-policy even when the engine holds other weights (a long-lived rollout server).
+    push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
     teacher = make_teacher(cfg.teacher, student)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
