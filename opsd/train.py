@@ -6,6 +6,7 @@ Each optimizer step: sample completions from the student with the rollout engine
 student and teacher sequences around the same completion ids -> score both -> loss -> backward and
 optimizer step -> teacher update -> push the new weights into the engine. Metrics go to
 `<output_dir>/metrics.jsonl` (one object per step), the console and, when enabled, wandb.
+Checkpoints go to `<output_dir>/checkpoint-{step}`; `checkpoint.resume_from=auto` continues a run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout import SamplingSettings, make_engine
 from opsd.sequences import build_examples, encode_prompt
 from opsd.teacher import make_teacher, update_teacher
+from opsd.trainer.checkpoint import CheckpointError, TrainingParts
+from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.device import resolve_device, seed_everything
 from opsd.trainer.metrics import MetricsLogger
 from opsd.trainer.optim import build_optimizer, build_scheduler
@@ -46,6 +49,7 @@ def train(cfg: Config) -> Path:
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.train.device)
+    checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
 
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
@@ -57,10 +61,18 @@ def train(cfg: Config) -> Path:
     teacher = make_teacher(cfg.teacher, student)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
-    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg))
+    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg),
+                           resume_step=checkpoints.resume_step, wandb_run_id=checkpoints.saved_wandb_run_id)
+    parts = TrainingParts(student, teacher, cfg.teacher.mode, optimizer, scheduler, processor, stream)
+    start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
+    if checkpoints.restored_weights:
+        # The engine was built from model.path: it must sample from the restored student.
+        engine.update_weights((name, p.detach()) for name, p in student.named_parameters())
+    checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
     prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
 
-    for step in tqdm(range(1, cfg.train.max_steps + 1), disable=not cfg.logging.progress_bar, desc="opsd"):
+    steps = range(start_step + 1, cfg.train.max_steps + 1)
+    for step in tqdm(steps, initial=start_step, total=cfg.train.max_steps, disable=not cfg.logging.progress_bar, desc="opsd"):
         # 1. Sample completions from the current student weights.
         t0 = time.perf_counter()
         samples = stream.take(prompts_per_step)
@@ -77,7 +89,9 @@ def train(cfg: Config) -> Path:
             cfg.train.max_forward_tokens,
         )
         if not examples:
-            logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
+            record = {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]}
+            logger.log(step, record)
+            checkpoints.step_end(step, record)
             continue
 
         # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
@@ -98,10 +112,12 @@ def train(cfg: Config) -> Path:
         engine.update_weights((name, p.detach()) for name, p in student.named_parameters())
         t3 = time.perf_counter()
 
-        logger.log(step, {
+        record = {
             **metrics, **counts, "lr": lr,
             "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": t3 - t2,
-        })
+        }
+        logger.log(step, record)
+        checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
 
     logger.close()
     engine.close()
@@ -122,6 +138,9 @@ def describe_plan(cfg: Config) -> str:
         f"T={cfg.loss.temperature}, top_k={cfg.loss.top_k}, clip={cfg.loss.token_clip} ({cfg.loss.clip_mode})",
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
+        f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
+        f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
+        f"{f', resume from {cfg.checkpoint.resume_from}' if cfg.checkpoint.resume_from else ''}",
     ])
 
 
@@ -144,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
         return 0
-    train(cfg)
+    try:
+        train(cfg)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
