@@ -325,3 +325,22 @@ def test_weights_only_resume_starts_a_new_run_from_the_ema_weights(saved, tmp_pa
     assert_same_tensors(parts.student.state_dict(), trained.teacher.state_dict())
     assert_same_tensors(parts.teacher.state_dict(), trained.teacher.state_dict())  # the teacher starts there too
     assert not parts.optimizer.state and parts.stream.state_dict()["position"] == 0
+
+
+def test_continued_run_restores_data_position_counters_and_rng(tmp_path, tiny_text_dir):
+    parts = make_parts(tiny_text_dir)
+    manager = CheckpointManager(run_config(tmp_path, save_every=2), tmp_path)
+    manager.start(parts)
+    take_steps(parts, 2)
+    parts.stream.take(3)
+    manager.step_end(1, {"completion_tokens": 5, "loss": 1.0})
+    manager.step_end(2, {"completion_tokens": 7, "loss": 0.5})  # saves checkpoint-2
+    expected = (random.random(), np.random.rand(), torch.rand(3))  # what the run would draw next
+
+    resumed = CheckpointManager(run_config(tmp_path, save_every=2, resume_from="auto"), tmp_path)
+    fresh = make_parts(tiny_text_dir)
+    assert resumed.start(fresh) == 2 and resumed.resume_step == 2
+    resumed.restore_rng()
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
+    assert fresh.stream.state_dict() == parts.stream.state_dict()
+    assert resumed.counters == {"completion_tokens": 12, "skipped_steps": 0}

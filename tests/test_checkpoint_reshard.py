@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from opsd.trainer.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 
@@ -28,7 +29,6 @@ def shard(model):
 
 def worker(model_dir, checkpoint, out_dir):
     import torch.distributed as dist
-    from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from test_checkpoint import make_parts
@@ -63,6 +63,8 @@ def test_checkpoint_moves_between_one_and_two_ranks(tmp_path, tiny_text_dir):
     sharded = tmp_path / "sharded" / "checkpoint-5"
     assert read_manifest(sharded)["world_size"] == 2
     assert sorted(p.name for p in (sharded / "rng").iterdir()) == ["rank-0.pt", "rank-1.pt"]
+    # Rank 0 gathered the sharded weights into the Hugging Face directory.
+    assert_same_tensors(load_file(sharded / "model" / "model.safetensors"), load_file(single / "model" / "model.safetensors"))
     back = make_parts(tiny_text_dir)
     load_checkpoint(sharded, back)
     assert_same_tensors(back.student.state_dict(), parts.student.state_dict())
