@@ -212,6 +212,39 @@ class LoggingConfig:
 
 
 @dataclass(config=_STRICT)
+class CheckpointConfig:
+    save_every: Annotated[int, Field(ge=0)] = 0
+    """Write `<output_dir>/checkpoint-{step}` every this many optimizer steps; 0 = only at the end.
+    A checkpoint is always written at `train.max_steps`."""
+    save_total_limit: Annotated[int, Field(gt=0)] | None = None
+    """Keep at most this many checkpoints, deleting the oldest; the newest and the best are never
+    deleted (so one more can remain when they differ). None = keep all."""
+    metric_for_best_model: str | None = None
+    """Key of the step's metrics (e.g. `loss`, or an eval metric logged at the save steps) that ranks
+    checkpoints; the best one survives rotation. Checkpoints whose step lacks it are not ranked."""
+    greater_is_better: bool = False
+    """Whether a larger `metric_for_best_model` is better."""
+    resume_from: str | None = None
+    """None: start fresh (refused when `logging.output_dir` already holds checkpoints); `auto`: the
+    newest complete checkpoint in `logging.output_dir`, or a fresh start when there is none; else the
+    path of a checkpoint, or of a run's output directory (its newest checkpoint)."""
+    resume_model_only: bool = False
+    """Take only the weights from `resume_from` and start a new run at step 0: fresh optimizer,
+    schedule, data order, metrics and wandb run; the teacher starts from the loaded weights."""
+    resume_from_ema: bool = False
+    """With `resume_model_only`: start from the checkpoint's EMA teacher weights instead of the student's."""
+
+    @model_validator(mode="after")
+    def _check_resume(self) -> "CheckpointConfig":
+        if self.resume_model_only and self.resume_from is None:
+            raise ValueError("checkpoint.resume_model_only needs checkpoint.resume_from (auto or a path)")
+        if self.resume_from_ema and not self.resume_model_only:
+            raise ValueError("checkpoint.resume_from_ema needs checkpoint.resume_model_only=true "
+                             "(the optimizer state belongs to the student's weights, not the EMA's)")
+        return self
+
+
+@dataclass(config=_STRICT)
 class Config:
     model: ModelConfig
     data: DataConfig
@@ -222,6 +255,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":

@@ -6,6 +6,7 @@ Each optimizer step: sample completions from the student with the rollout engine
 student and teacher sequences around the same completion ids -> score both -> loss -> backward and
 optimizer step -> teacher update -> push the new weights into the engine. Metrics go to
 `<output_dir>/metrics.jsonl` (one object per step), the console and, when enabled, wandb.
+Checkpoints go to `<output_dir>/checkpoint-{step}`; `checkpoint.resume_from=auto` continues a run.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
 from opsd.rollout.weight_sync import push_weights
 from opsd.sequences import build_sample_examples
 from opsd.teacher import make_teacher, update_teacher
+from opsd.trainer.checkpoint import CheckpointError, TrainingParts
+from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.device import resolve_device, seed_everything
 from opsd.trainer.metrics import MetricsLogger
 from opsd.trainer.optim import build_optimizer, build_scheduler
@@ -48,6 +51,7 @@ def train(cfg: Config) -> Path:
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.train.device)
+    checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
 
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
@@ -56,15 +60,21 @@ def train(cfg: Config) -> Path:
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
     student = load_model(cfg.model, processor, device)
-    # Start on-policy even when the engine holds other weights (a long-lived rollout server).
-    push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
     teacher = make_teacher(cfg.teacher, student)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
-    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg))
+    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg),
+                           resume_step=checkpoints.resume_step, wandb_run_id=checkpoints.saved_wandb_run_id)
+    parts = TrainingParts(student, teacher, cfg.teacher.mode, optimizer, scheduler, processor, stream)
+    start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
+    # Start on-policy: the engine was built from model.path (or is a long-lived server holding other
+    # weights), while the student may come from a checkpoint.
+    push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+    checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
     prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
 
-    for step in tqdm(range(1, cfg.train.max_steps + 1), disable=not cfg.logging.progress_bar, desc="opsd"):
+    steps = range(start_step + 1, cfg.train.max_steps + 1)
+    for step in tqdm(steps, initial=start_step, total=cfg.train.max_steps, disable=not cfg.logging.progress_bar, desc="opsd"):
         # 1. Sample completions from the current student weights.
         t0 = time.perf_counter()
         samples = stream.take(prompts_per_step)
@@ -77,7 +87,9 @@ def train(cfg: Config) -> Path:
             processor, cfg.prompts, samples, student_prompts, completions, cfg.train.max_forward_tokens
         )
         if not examples:
-            logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
+            record = {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]}
+            logger.log(step, record)
+            checkpoints.step_end(step, record)
             continue
 
         # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
@@ -101,11 +113,13 @@ def train(cfg: Config) -> Path:
 
         if recorder:
             recorder.write(output_dir / ROLLOUTS_SUBDIR, step, examples, samples, processor, cfg.prompts)
-        logger.log(step, {
+        record = {
             **metrics, **counts, "lr": lr,
             "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": sync.seconds,
             "weight_sync_bytes": sync.bytes,
-        })
+        }
+        logger.log(step, record)
+        checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
 
     logger.close()
     engine.close()
@@ -126,6 +140,9 @@ def describe_plan(cfg: Config) -> str:
         f"T={cfg.loss.temperature}, top_k={cfg.loss.top_k}, clip={cfg.loss.token_clip} ({cfg.loss.clip_mode})",
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
+        f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
+        f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
+        f"{f', resume from {cfg.checkpoint.resume_from}' if cfg.checkpoint.resume_from else ''}",
     ])
 
 
@@ -148,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
         return 0
-    train(cfg)
+    try:
+        train(cfg)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
