@@ -7,9 +7,11 @@ that names the key (e.g. `rollout.temperature: Input should be greater than 0`).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -140,10 +142,45 @@ class PromptConfig:
     """Ablation: replace privileged images with Gaussian noise of the same size."""
 
 
+BUILTIN_ENGINES = ("vllm", "hf", "server")
+ENGINE_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+@dataclass(config=_STRICT)
+class ServerEngineConfig:
+    url: str = "http://127.0.0.1:8000"
+    """Base URL of the separate `vllm serve` (see `python -m opsd.rollout.serve`). Loopback only:
+    weights travel through files on this host, and the server's dev endpoints must not be exposed."""
+    weights_dir: str | None = None
+    """Where weight buckets are staged for the server to read; None = a fresh dir under /dev/shm."""
+    startup_timeout_s: NonNegative = 300
+    """How long to wait for the server to become healthy before giving up."""
+    request_timeout_s: Positive = 600
+    max_parallel_requests: Annotated[int, Field(gt=0)] = 32
+    """Generation requests in flight at once (one per prompt; the server batches them)."""
+
+    @field_validator("url")
+    @classmethod
+    def _loopback_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http(s) URL")
+        host = parts.hostname
+        try:
+            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            raise ValueError(f"host {host!r} is not a loopback address (127.0.0.1, ::1, localhost)")
+        return url.rstrip("/")
+
+
 @dataclass(config=_STRICT)
 class RolloutConfig:
-    engine: Literal["vllm", "hf"] = "vllm"
-    """`vllm`: colocated in-process vLLM engine; `hf`: transformers `generate`."""
+    engine: str = "vllm"
+    """`vllm`: colocated in-process vLLM engine; `hf`: transformers `generate`; `server`: a separate
+    `vllm serve` over HTTP (`rollout.server`); or `package.module:Name`, a class (or factory) of your
+    own called as `Name(cfg=..., model_path=..., processor=...)` (see README, custom rollouts)."""
     samples_per_prompt: Annotated[int, Field(gt=0)] = 1
     max_new_tokens: Annotated[int, Field(gt=0)] = 64
     temperature: Positive = 1.0
@@ -154,6 +191,17 @@ class RolloutConfig:
     """vLLM KV cache size in MiB; None = let vLLM size it from `gpu_memory_utilization`."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.3
     enforce_eager: bool = True
+    sync_bucket_mb: Annotated[float, Field(gt=0)] = 256
+    """Weight sync streams full tensors to the engine in buckets of at most this size."""
+    server: ServerEngineConfig = dataclasses.field(default_factory=ServerEngineConfig)
+    """The out-of-process engine (`engine: server`)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_name_or_import_path(cls, engine: str) -> str:
+        if engine in BUILTIN_ENGINES or ENGINE_IMPORT_PATH.match(engine):
+            return engine
+        raise ValueError(f"must be one of {', '.join(BUILTIN_ENGINES)} or an import path 'package.module:ClassName'")
 
 
 @dataclass(config=_STRICT)
@@ -241,6 +289,45 @@ class LoggingConfig:
     log_every: Annotated[int, Field(gt=0)] = 1
     progress_bar: bool = True
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    dump_rollouts_every: Annotated[int, Field(ge=0)] = 0
+    """Write every N-th step's rollouts with per-token scores to
+    `<output_dir>/rollouts/step_{N}_rank_{R}.parquet`; 0 = off (nothing is computed)."""
+    dump_top_n: Annotated[int, Field(ge=0)] = 5
+    """With dumping on (or `opsd.rollouts dump`): also record the teacher's n most likely tokens
+    and their probabilities at every completion position; 0 = off."""
+
+
+@dataclass(config=_STRICT)
+class CheckpointConfig:
+    save_every: Annotated[int, Field(ge=0)] = 0
+    """Write `<output_dir>/checkpoint-{step}` every this many optimizer steps; 0 = only at the end.
+    A checkpoint is always written at `train.max_steps`."""
+    save_total_limit: Annotated[int, Field(gt=0)] | None = None
+    """Keep at most this many checkpoints, deleting the oldest; the newest and the best are never
+    deleted (so one more can remain when they differ). None = keep all."""
+    metric_for_best_model: str | None = None
+    """Key of the step's metrics (e.g. `loss`, or an eval metric logged at the save steps) that ranks
+    checkpoints; the best one survives rotation. Checkpoints whose step lacks it are not ranked."""
+    greater_is_better: bool = False
+    """Whether a larger `metric_for_best_model` is better."""
+    resume_from: str | None = None
+    """None: start fresh (refused when `logging.output_dir` already holds checkpoints); `auto`: the
+    newest complete checkpoint in `logging.output_dir`, or a fresh start when there is none; else the
+    path of a checkpoint, or of a run's output directory (its newest checkpoint)."""
+    resume_model_only: bool = False
+    """Take only the weights from `resume_from` and start a new run at step 0: fresh optimizer,
+    schedule, data order, metrics and wandb run; the teacher starts from the loaded weights."""
+    resume_from_ema: bool = False
+    """With `resume_model_only`: start from the checkpoint's EMA teacher weights instead of the student's."""
+
+    @model_validator(mode="after")
+    def _check_resume(self) -> "CheckpointConfig":
+        if self.resume_model_only and self.resume_from is None:
+            raise ValueError("checkpoint.resume_model_only needs checkpoint.resume_from (auto or a path)")
+        if self.resume_from_ema and not self.resume_model_only:
+            raise ValueError("checkpoint.resume_from_ema needs checkpoint.resume_model_only=true "
+                             "(the optimizer state belongs to the student's weights, not the EMA's)")
+        return self
 
 
 @dataclass(config=_STRICT)
@@ -255,6 +342,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opsd.prompts import Prompt, is_multimodal
+from opsd.prompts import Prompt, is_multimodal, teacher_prompt
 
 
 @dataclass
@@ -123,3 +123,16 @@ def build_examples(
             Example(sample_ids[c.prompt_index], student, teacher, c.token_ids[:budget], c.logprobs[:budget])
         )
     return examples, counts
+
+
+def build_sample_examples(
+    processor, prompt_cfg, samples: list, student_prompts: list[Prompt], completions: list, max_forward_tokens: int,
+) -> tuple[list[Example], dict[str, int]]:
+    """`build_examples` for completions of `student_prompts` (one per sample), teacher prompts built here."""
+    return build_examples(
+        [encode_prompt(processor, p) for p in student_prompts],
+        [encode_prompt(processor, teacher_prompt(s, processor, prompt_cfg)) for s in samples],
+        [s.id for s in samples],
+        completions,
+        max_forward_tokens,
+    )

@@ -6,6 +6,7 @@ Each optimizer step: sample completions from the student with the rollout engine
 student and teacher sequences around the same completion ids -> score both -> loss -> backward and
 optimizer step -> teacher update -> push the new weights into the engine. Metrics go to
 `<output_dir>/metrics.jsonl` (one object per step), the console and, when enabled, wandb.
+Checkpoints go to `<output_dir>/checkpoint-{step}`; `checkpoint.resume_from=auto` continues a run.
 """
 
 from __future__ import annotations
@@ -25,10 +26,14 @@ from opsd.data.errors import BadSampleError
 from opsd.data.validation import prompt_length_check
 from opsd.eval import Evaluator
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt
 from opsd.rollout import SamplingSettings, make_engine
-from opsd.sequences import build_examples, encode_prompt
+from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
+from opsd.rollout.weight_sync import push_weights
+from opsd.sequences import build_sample_examples
 from opsd.teacher import make_teacher, update_teacher
+from opsd.trainer.checkpoint import CheckpointError, TrainingParts
+from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.device import resolve_device, seed_everything
 from opsd.trainer.metrics import MetricsLogger
 from opsd.trainer.optim import build_optimizer, build_scheduler
@@ -48,6 +53,7 @@ def train(cfg: Config) -> Path:
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.train.device)
+    checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
 
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
@@ -62,10 +68,18 @@ def train(cfg: Config) -> Path:
     teacher = make_teacher(cfg.teacher, student)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
-    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg))
+    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg),
+                           resume_step=checkpoints.resume_step, wandb_run_id=checkpoints.saved_wandb_run_id)
+    parts = TrainingParts(student, teacher, cfg.teacher.mode, optimizer, scheduler, processor, stream)
+    start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
+    # Start on-policy: the engine was built from model.path (or is a long-lived server holding other
+    # weights), while the student may come from a checkpoint.
+    push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+    checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
     prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
 
-    for step in tqdm(range(1, cfg.train.max_steps + 1), disable=not cfg.logging.progress_bar, desc="opsd"):
+    steps = range(start_step + 1, cfg.train.max_steps + 1)
+    for step in tqdm(steps, initial=start_step, total=cfg.train.max_steps, disable=not cfg.logging.progress_bar, desc="opsd"):
         # 1. Sample completions from the current student weights.
         t0 = time.perf_counter()
         samples = stream.take(prompts_per_step)
@@ -74,22 +88,21 @@ def train(cfg: Config) -> Path:
 
         # 2. Student and teacher sequences end with the identical completion ids.
         t1 = time.perf_counter()
-        examples, counts = build_examples(
-            [encode_prompt(processor, p) for p in student_prompts],
-            [encode_prompt(processor, teacher_prompt(s, processor, cfg.prompts)) for s in samples],
-            [s.id for s in samples],
-            completions,
-            cfg.train.max_forward_tokens,
+        examples, counts = build_sample_examples(
+            processor, cfg.prompts, samples, student_prompts, completions, cfg.train.max_forward_tokens
         )
         if not examples:
-            logger.log(step, {
+            record = {
                 "skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0],
                 **stream.metrics(), **(evaluator.run_if_due(step, engine) if evaluator else {}),
-            })
+            }
+            logger.log(step, record)
+            checkpoints.step_end(step, record)
             continue
 
         # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
         lr = scheduler.get_last_lr()[0]
+        recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
         metrics = train_step(
             student, teacher, examples, optimizer,
             loss_cfg=cfg.loss,
@@ -97,20 +110,25 @@ def train(cfg: Config) -> Path:
             max_grad_norm=cfg.optim.max_grad_norm,
             dtype=cfg.model.dtype,
             pad_id=pad_id,
+            on_scored=recorder.collect if recorder else None,
         )
         scheduler.step()
         update_teacher(cfg.teacher, teacher, student)
 
         # 4. Push the new weights into the engine so the next rollouts are on-policy.
         t2 = time.perf_counter()
-        engine.update_weights((name, p.detach()) for name, p in student.named_parameters())
-        t3 = time.perf_counter()
+        sync = push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
 
-        logger.log(step, {
+        if recorder:
+            recorder.write(output_dir / ROLLOUTS_SUBDIR, step, examples, samples, processor, cfg.prompts)
+        record = {
             **metrics, **counts, "lr": lr,
-            "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": t3 - t2,
+            "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": sync.seconds,
+            "weight_sync_bytes": sync.bytes,
             **stream.metrics(), **(evaluator.run_if_due(step, engine) if evaluator else {}),
-        })
+        }
+        logger.log(step, record)
+        checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
 
     logger.close()
     engine.close()
@@ -134,6 +152,9 @@ def describe_plan(cfg: Config) -> str:
         f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"
         f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
+        f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
+        f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
+        f"{f', resume from {cfg.checkpoint.resume_from}' if cfg.checkpoint.resume_from else ''}",
     ])
 
 
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         train(cfg)
-    except (ConfigError, BadSampleError) as err:  # data that does not fit the config, a bad row
+    except (CheckpointError, ConfigError, BadSampleError) as err:  # bad checkpoint, data not fitting the config, a bad row
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

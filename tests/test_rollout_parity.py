@@ -8,6 +8,7 @@ from opsd.data.sample import Sample
 from opsd.data.synthetic import generate_samples
 from opsd.loss import token_logprobs
 from opsd.modeling import load_model, load_processor
+from opsd.rollout.weight_sync import push_weights
 from opsd.prompts import placeholder_token_ids, student_prompt
 from opsd.rollout.engine import SamplingSettings
 from opsd.scoring import completion_logits
@@ -69,7 +70,8 @@ def test_engine_matches_trainer_before_and_after_update(kind, model, tiny_vlm_di
         stale = (trainer_logprobs(trainer, processor, prompts, first) - engine_logprobs(first)).abs().max()
         assert stale > 1e-2  # the check below can fail: old weights disagree
 
-        engine.update_weights((name, p.detach()) for name, p in trainer.named_parameters())
+        stats = push_weights(trainer, engine, bucket_mb=0.05)  # small buckets split fused layers
+        assert stats.buckets > 10 and stats.tensors == len(list(trainer.parameters()))
         second = engine.generate(prompts, sampling)
         gap = (trainer_logprobs(trainer, processor, prompts, second) - engine_logprobs(second)).abs().max()
         assert gap < TOLERANCE
@@ -88,12 +90,12 @@ def test_vllm_update_changes_engine_weights(tiny_vlm_dir):
     engine = VLLMEngine(str(tiny_vlm_dir), max_model_len=1024)
     try:
         before = engine.weight_checksums()
-        engine.update_weights((name, p.detach()) for name, p in trainer.named_parameters())
+        push_weights(trainer, engine, bucket_mb=0.05)
         assert engine.weight_checksums() == before  # same weights: nothing moves
         with torch.no_grad():
             for p in trainer.parameters():
                 p.add_(0.01)
-        engine.update_weights((name, p.detach()) for name, p in trainer.named_parameters())
+        push_weights(trainer, engine, bucket_mb=0.05)
         after = engine.weight_checksums()
         changed = [k for k in before if before[k] != after[k]]
         assert any("embed_tokens" in k for k in changed) and any("norm" in k for k in changed)

@@ -49,7 +49,7 @@ def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, gr
     """Without the weight sync the engine samples from old weights, and the metric shows it."""
     from opsd.rollout.vllm_engine import VLLMEngine
 
-    monkeypatch.setattr(VLLMEngine, "update_weights", lambda self, named_tensors: None)
+    monkeypatch.setattr(VLLMEngine, "receive_weights", lambda self, bucket: None)
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "optim.warmup_steps=0", "optim.schedule=constant")
     records = read_metrics(train(cfg))
     assert records[0]["logprob_mismatch_max"] < 1e-3

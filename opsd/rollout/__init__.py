@@ -14,6 +14,14 @@ def images_per_prompt(cfg) -> int:
 
 def make_engine(cfg, model_path, processor) -> RolloutEngine:
     """The configured engine for `model_path`, holding the same weights as the trainer's student."""
+    if cfg.rollout.engine == "server":
+        from opsd.rollout.server_engine import ServerEngine
+
+        return ServerEngine.from_config(cfg, processor)
+    if cfg.rollout.engine not in ("vllm", "hf"):  # an import path, checked at config load
+        from opsd.rollout.custom import build_custom_engine
+
+        return build_custom_engine(cfg, model_path, processor)
     if cfg.rollout.engine == "hf":
         from opsd.modeling import load_model
         from opsd.rollout.hf_engine import HFEngine

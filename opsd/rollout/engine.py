@@ -7,7 +7,7 @@ or a user's own).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -46,7 +46,13 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         """`sampling.n` completions per prompt, prompt-major order."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights, named as in the Hugging Face checkpoint, into the engine."""
+    # Weight sync (see opsd/rollout/weight_sync.py): one session per optimizer step.
+    def begin_weight_update(self) -> None: ...
+
+    def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """A bucket of `(hf_name, full_tensor)` pairs, named as in the Hugging Face checkpoint."""
+
+    def end_weight_update(self) -> None:
+        """All buckets are in: the next `generate` must use the new weights."""
 
     def close(self) -> None: ...

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 
 from opsd.prompts import Prompt, is_multimodal
@@ -73,11 +71,16 @@ class HFEngine:
             )
         return completions
 
+    def begin_weight_update(self) -> None:
+        self._params = dict(self.model.named_parameters())
+
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
-        for name, tensor in named_tensors:
-            params[name].copy_(tensor)
+    def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in bucket:
+            self._params[name].copy_(tensor)
+
+    def end_weight_update(self) -> None:
+        self._params = None
 
     def close(self) -> None:
         self.model = None

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
-from typing import Iterable
-
 import torch
 
 from opsd.prompts import Prompt
@@ -25,6 +24,13 @@ def _set_env_defaults() -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
 
+def _quiet_rotary_reload_warning() -> None:
+    # Rotary caches are derived buffers, never in a checkpoint; vLLM warns about them on every sync.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+    )
+
+
 class VLLMEngine:
     def __init__(
         self,
@@ -41,6 +47,7 @@ class VLLMEngine:
         _set_env_defaults()
         from vllm import LLM
 
+        _quiet_rotary_reload_warning()
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -85,9 +92,17 @@ class VLLMEngine:
                 completions.append(Completion(i, ids, logprobs, sample.text, str(sample.finish_reason)))
         return completions
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    # Weight updates run as one layerwise-reload session per optimizer step: separate reloads of
+    # partial buckets would process a fused layer (qkv, gate_up) with half its shards loaded.
+    def begin_weight_update(self) -> None:
+        self.llm.collective_rpc(_begin_reload)
+
+    def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         # In-process, the worker takes the tensors themselves (no serialisation).
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.llm.collective_rpc(_load_bucket, args=(bucket,))
+
+    def end_weight_update(self) -> None:
+        self.llm.collective_rpc(_finish_reload)
         # Cached KV blocks and image encodings were computed by the old weights. The scheduler
         # keeps its own record of cached encodings: without this reset the next request with a
         # known image fails with "Encoder cache miss".
@@ -104,3 +119,50 @@ class VLLMEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
         del self.llm
+
+
+# Run inside the vLLM worker (in-process `collective_rpc` passes callables and tensors as they are).
+def _begin_reload(worker) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_bucket(worker, bucket) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        worker.model_runner.get_model().load_weights(iter(bucket))
+
+
+def _finish_reload(worker) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
+        _reprocess_shared_weights(worker.model_runner.get_model())
+    worker.model_runner.reset_encoder_cache()
+    worker.model_runner.reset_mm_cache()
+
+
+def _reprocess_shared_weights(model) -> None:
+    """Redo the post-load step of layers whose weight is another layer's (a tied LM head).
+
+    With tied embeddings vLLM never loads `lm_head.weight` (it is `embed_tokens.weight`), so the
+    reload does not revisit the LM head; on CPU that layer multiplies with a copy of the weight
+    prepacked at load time, which would keep the old embeddings (SmolLM2: off by ~1 nat after one
+    large update). Re-running the step repacks it from the updated tensor.
+    """
+    sharing: dict[int, list] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            sharing.setdefault(id(weight), []).append(module)
+    for modules in sharing.values():
+        if len(modules) > 1:
+            for module in modules:
+                if getattr(module, "quant_method", None) is not None:
+                    module.quant_method.process_weights_after_loading(module)

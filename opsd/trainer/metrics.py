@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -16,10 +17,19 @@ CONSOLE_KEYS = (
 
 
 class MetricsLogger:
-    def __init__(self, cfg: LoggingConfig, output_dir: Path, run_config: dict):
+    def __init__(
+        self, cfg: LoggingConfig, output_dir: Path, run_config: dict, *,
+        resume_step: int | None = None, wandb_run_id: str | None = None,
+    ):
+        """`resume_step`: continue a resumed run's `metrics.jsonl` after that step (later records,
+        written after the checkpoint, are dropped); `wandb_run_id`: continue that wandb run."""
         self.cfg = cfg
         self.path = output_dir / "metrics.jsonl"
-        self.file = self.path.open("w")
+        if resume_step is None:
+            self.file = self.path.open("w")
+        else:
+            drop_records_after(self.path, resume_step)
+            self.file = self.path.open("a")
         self.wandb_run = None
         if cfg.wandb.mode != "disabled":
             import wandb
@@ -27,7 +37,12 @@ class MetricsLogger:
             self.wandb_run = wandb.init(
                 project=cfg.wandb.project, name=cfg.wandb.name, mode=cfg.wandb.mode,
                 config=run_config, dir=str(output_dir),
+                id=wandb_run_id, resume="allow" if wandb_run_id else None,
             )
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
@@ -42,6 +57,29 @@ class MetricsLogger:
         self.file.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Keep only the records of steps <= `step` (replaced atomically); nothing to do if absent.
+
+    A process killed while writing can leave a torn last line; it is dropped with the later records.
+    """
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}, line {number}: not a JSON record") from None
+        if record["step"] <= step:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def format_line(record: dict) -> str:

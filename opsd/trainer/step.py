@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,6 +34,40 @@ def distillation_losses(student_logits, teacher_logits, sampled_ids, engine_logp
     )
 
 
+@dataclass
+class ScoredBatch:
+    """Both roles' scores of one micro-batch, on its completion tokens in row-major order."""
+
+    sampled_ids: torch.Tensor  # [N] the completion tokens
+    engine_logprobs: torch.Tensor  # [N] the sampler's logprob of each
+    student_logits: torch.Tensor  # [N, V], with grad when the caller enabled it
+    teacher_logits: torch.Tensor  # [N, V], no grad
+    distill: torch.Tensor  # [N] per-token distillation term of the loss
+    student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
+
+
+def score_micro_batch(
+    student: torch.nn.Module, teacher: torch.nn.Module, micro: list[Example], *,
+    loss_cfg: LossConfig, dtype: str, pad_id: int,
+) -> ScoredBatch:
+    """Student forward (with grad when enabled), teacher forward without, per-token terms."""
+    device = next(student.parameters()).device
+    completions = [e.completion_ids for e in micro]
+    student_batch = collate([e.student for e in micro], completions, pad_id)
+    teacher_batch = collate([e.teacher for e in micro], completions, pad_id)
+    sampled = student_batch.completion_ids.to(device)
+    engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
+
+    with autocast(device, dtype):
+        student_logits = completion_logits(student, student_batch)
+        with torch.no_grad():
+            teacher_logits = completion_logits(teacher, teacher_batch)
+    distill = distillation_losses(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
+    with torch.set_grad_enabled(loss_cfg.ce_weight > 0 and torch.is_grad_enabled()):
+        student_logprobs = token_logprobs(student_logits, sampled)
+    return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)
+
+
 def train_step(
     student: torch.nn.Module,
     teacher: torch.nn.Module,
@@ -43,44 +79,35 @@ def train_step(
     max_grad_norm: float,
     dtype: str,
     pad_id: int,
+    on_scored: Callable[[list[Example], ScoredBatch], None] | None = None,
 ) -> dict:
     """Accumulate gradients over micro-batches of `examples`, then take one optimizer step.
 
     The loss is the sum of per-token losses over the whole step divided by the step's completion
     tokens, so every token weighs the same whatever micro-batch it lands in (a mean of per-batch
-    means would overweight short completions).
+    means would overweight short completions). `on_scored(micro, scored)`, when given, sees each
+    micro-batch's scores after its backward (the rollout dumps record per-token values there).
     """
-    device = next(student.parameters()).device
     total_tokens = sum(len(e.completion_ids) for e in examples)
     sums = {"distill": 0.0, "ce": 0.0, "mismatch": 0.0}
     mismatch_max = 0.0
     student.train()
     for start in range(0, len(examples), micro_batch_size):
         micro = examples[start : start + micro_batch_size]
-        completions = [e.completion_ids for e in micro]
-        student_batch = collate([e.student for e in micro], completions, pad_id)
-        teacher_batch = collate([e.teacher for e in micro], completions, pad_id)
-        sampled = student_batch.completion_ids.to(device)
-        engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
-
-        with autocast(device, dtype):
-            student_logits = completion_logits(student, student_batch)
-            with torch.no_grad():
-                teacher_logits = completion_logits(teacher, teacher_batch)
-        distill = distillation_losses(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
-        with torch.set_grad_enabled(loss_cfg.ce_weight > 0):
-            student_logprobs = token_logprobs(student_logits, sampled)
-        ce = -student_logprobs
+        scored = score_micro_batch(student, teacher, micro, loss_cfg=loss_cfg, dtype=dtype, pad_id=pad_id)
+        distill, ce = scored.distill, -scored.student_logprobs
         loss = (loss_cfg.jsd_weight * distill + loss_cfg.ce_weight * ce).sum() / total_tokens
         loss.backward()
+        if on_scored is not None:
+            on_scored(micro, scored)
 
         # Same weights on both sides: a gap here means the engine did not get the last update.
-        mismatch = (student_logprobs.detach() - engine_logprobs).abs()
+        mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
         sums["distill"] += distill.detach().sum().item()
         sums["ce"] += ce.detach().sum().item()
         sums["mismatch"] += mismatch.sum().item()
         mismatch_max = max(mismatch_max, mismatch.max().item())
-        del student_logits, teacher_logits, loss
+        del scored, loss
 
     params = [p for p in student.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)

@@ -1,0 +1,403 @@
+"""Checkpoint directories: write one crash-safely, find complete ones, verify, load, rotate.
+
+`<output_dir>/checkpoint-{step}/` holds:
+
+    model/                 the student as a Hugging Face directory (safetensors, config, processor)
+    teacher/               the EMA teacher the same way (teacher.mode=ema only)
+    train_state/           torch.distributed.checkpoint: model, optimizer, scheduler (+ teacher)
+    rng/rank-{r}.pt        each rank's RNG states
+    trainer_state.json     step, config, data position, best metric, counters, wandb run id
+    opsd_checkpoint.json   manifest, written last: model fingerprint, every file with its size
+
+A save writes `checkpoint-{step}.tmp`, fsyncs every file, writes the manifest, then renames the
+directory: a crash at any point leaves either no `checkpoint-{step}` or a complete one.
+Leftover `.tmp` (and `.deleting`) directories are removed at the next start.
+
+The training state goes through `torch.distributed.checkpoint` with the state dicts of
+`torch.distributed.checkpoint.state_dict`, so the same code saves plain and FSDP2-sharded modules,
+and a checkpoint loads with a different number of ranks. Without an initialised process group it
+runs as a single process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from opsd.trainer.rng import rng_state
+
+FORMAT_VERSION = 1
+MANIFEST = "opsd_checkpoint.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_DIR, TEACHER_DIR, TRAIN_STATE_DIR, RNG_DIR = "model", "teacher", "train_state", "rng"
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+LEFTOVER_NAME = re.compile(r"^checkpoint-\d+\.(tmp|deleting)$")
+HASHED_FILE_MAX_BYTES = 16 << 20
+"""Files up to this size (configs, tokenizer, trainer state) are checked by sha256, larger ones by size."""
+FAULT_ENV = "OPSD_FAULT_INJECT"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit this run; the message says which."""
+
+
+@dataclass
+class TrainingParts:
+    """Everything a checkpoint saves and restores besides the RNG states."""
+
+    student: nn.Module
+    teacher: nn.Module
+    """The teacher module; the student itself when `teacher_mode` is `self`."""
+    teacher_mode: str
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    processor: Any
+    stream: Any = None
+    """The data stream; its position goes into `trainer_state.json` (see CheckpointManager)."""
+
+    @property
+    def separate_teacher(self) -> bool:
+        return self.teacher is not self.student
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+
+
+def checkpoint_path(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
+# --- process group helpers: the same code runs with or without torch.distributed ----------------
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextmanager
+def _single_process_quietly():
+    """DCP warns on every single-process save or load; that is an intended mode here, not a slip."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _fault_point(stage: str, step: int) -> None:
+    """Test-only: `OPSD_FAULT_INJECT=save:<stage>[@<step>]` SIGKILLs the process at this point."""
+    spec = os.environ.get(FAULT_ENV, "")
+    where, _, at = spec.partition("@")
+    if where == f"save:{stage}" and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --- finding checkpoints ------------------------------------------------------------------------
+
+def list_checkpoints(output_dir: Path) -> list[Checkpoint]:
+    """Complete checkpoints (renamed into place, manifest present) in `output_dir`, oldest first."""
+    found = []
+    if Path(output_dir).is_dir():
+        for entry in Path(output_dir).iterdir():
+            match = CHECKPOINT_NAME.match(entry.name)
+            if match and (entry / MANIFEST).is_file():
+                found.append(Checkpoint(int(match.group(1)), entry))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(output_dir: Path) -> Checkpoint | None:
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def remove_leftovers(output_dir: Path) -> list[Path]:
+    """Delete half-written saves and half-deleted checkpoints left by a crash (rank 0 only)."""
+    removed = []
+    if _rank() == 0 and Path(output_dir).is_dir():
+        for entry in sorted(Path(output_dir).iterdir()):
+            if entry.is_dir() and LEFTOVER_NAME.match(entry.name):
+                shutil.rmtree(entry)
+                removed.append(entry)
+    _barrier()
+    return removed
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """`path` itself when it is a checkpoint, else the newest complete checkpoint inside it."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    if CHECKPOINT_NAME.match(path.name) and path.is_dir():
+        raise CheckpointError(f"{path} is incomplete: {MANIFEST} is missing (the save did not finish)")
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise CheckpointError(f"no opsd checkpoint at {path}: neither {MANIFEST} nor complete checkpoint-* directories")
+    return newest.path
+
+
+# --- saving -------------------------------------------------------------------------------------
+
+def model_fingerprint(model: nn.Module) -> dict:
+    """What a checkpoint's weights fit: model type, architectures, every state-dict entry's shape."""
+    config = getattr(model, "config", None)
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "architectures": getattr(config, "architectures", None),
+        "parameters": {name: list(t.shape) for name, t in get_model_state_dict(model).items()},
+    }
+
+
+def _train_state(parts: TrainingParts) -> dict:
+    """The `torch.distributed.checkpoint` state: sharded or plain, whatever the modules are."""
+    model_state, optim_state = get_state_dict(parts.student, parts.optimizer)
+    state = {"model": model_state, "optimizer": optim_state, "scheduler": parts.scheduler.state_dict()}
+    if parts.separate_teacher:
+        state["teacher"] = get_model_state_dict(parts.teacher)
+    return state
+
+
+def _save_hf_dir(model: nn.Module, processor, path: Path) -> None:
+    """A `from_pretrained` / `vllm.LLM` directory; the full weights are gathered onto rank 0."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=_distributed()))
+    if _rank() == 0:
+        model.save_pretrained(path, state_dict=full)
+        processor.save_pretrained(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_records(root: Path) -> dict[str, dict]:
+    """Every file under `root` with its size (and sha256 when small), each fsynced on the way."""
+    records = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = Path(dirpath) / name
+            _fsync(path)
+            size = path.stat().st_size
+            records[str(path.relative_to(root))] = {"size": size, **({"sha256": _sha256(path)} if size <= HASHED_FILE_MAX_BYTES else {})}
+        _fsync(Path(dirpath))
+    return dict(sorted(records.items()))
+
+
+def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_state: dict) -> Path:
+    """Write `checkpoint-{step}` crash-safely; every rank calls this (the gathers are collective)."""
+    final = checkpoint_path(output_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        if final.exists():
+            raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / RNG_DIR).mkdir(parents=True)
+    _barrier()
+
+    _save_hf_dir(parts.student, parts.processor, tmp / MODEL_DIR)
+    if parts.teacher_mode == "ema":
+        _save_hf_dir(parts.teacher, parts.processor, tmp / TEACHER_DIR)
+    _fault_point("model", step)
+    with _single_process_quietly():
+        dcp.save(_train_state(parts), checkpoint_id=tmp / TRAIN_STATE_DIR)
+    _fault_point("train_state", step)
+    torch.save(rng_state(), tmp / RNG_DIR / f"rank-{_rank()}.pt")
+    _barrier()
+
+    if _rank() == 0:
+        _write_json(tmp / TRAINER_STATE, trainer_state)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "teacher_mode": parts.teacher_mode,
+            "world_size": dist.get_world_size() if _distributed() else 1,
+            "model": model_fingerprint(parts.student),
+            "files": _file_records(tmp),
+        }
+        _write_json(tmp / MANIFEST, manifest)
+        _fault_point("commit", step)
+        os.rename(tmp, final)  # the commit: atomic, so the checkpoint is either absent or complete
+        _fsync(final.parent)
+    _barrier()
+    return final
+
+
+# --- verifying and loading ----------------------------------------------------------------------
+
+def read_manifest(path: Path) -> dict:
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path} is not a complete opsd checkpoint: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{manifest_path} is corrupt: {err}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{manifest_path}: format version {manifest.get('format_version')}, this opsd reads {FORMAT_VERSION}")
+    return manifest
+
+
+def verify_checkpoint(path: Path, *, under: str = "") -> dict:
+    """The manifest, after checking that every file it lists (below `under`) is there and intact."""
+    manifest = read_manifest(path)
+    for rel, record in manifest["files"].items():
+        if not rel.startswith(under):
+            continue
+        file = Path(path) / rel
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} is missing")
+        if file.stat().st_size != record["size"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} has {file.stat().st_size} bytes, the manifest says {record['size']}")
+        if "sha256" in record and _sha256(file) != record["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} differs from the file that was saved (sha256)")
+    return manifest
+
+
+def read_trainer_state(path: Path) -> dict:
+    file = Path(path) / TRAINER_STATE
+    try:
+        return json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint {path}: cannot read {TRAINER_STATE}: {err}") from None
+
+
+def check_model_fits(path: Path, manifest: dict, model: nn.Module) -> None:
+    """Stop with a message naming the difference when the checkpoint holds another model's weights."""
+    saved, current = manifest["model"], model_fingerprint(model)
+    if saved["model_type"] != current["model_type"]:
+        raise CheckpointError(
+            f"checkpoint {path} holds a {saved['model_type']} model ({saved['architectures']}), "
+            f"this run's model.path is {current['model_type']} ({current['architectures']})"
+        )
+    missing = sorted(set(saved["parameters"]) - set(current["parameters"]))
+    extra = sorted(set(current["parameters"]) - set(saved["parameters"]))
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: parameters only in the checkpoint {missing[:5]}, "
+            f"only in the model {extra[:5]}"
+        )
+    for name, shape in saved["parameters"].items():
+        if shape != current["parameters"][name]:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model: {name} has shape {shape} in the checkpoint, "
+                f"{current['parameters'][name]} in the model"
+            )
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    try:
+        with _single_process_quietly():
+            dcp.load(state, checkpoint_id=Path(path) / TRAIN_STATE_DIR)
+    except Exception as err:  # DCP raises several types; name the checkpoint, keep the cause
+        raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE_DIR}/ cannot be loaded into this run: {err}") from err
+
+
+def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = False, from_ema: bool = False) -> dict:
+    """Restore `parts` from a checkpoint (RNG states excepted) and return its manifest.
+
+    `weights_only`: the student's weights alone (`from_ema`: the EMA teacher's), nothing else.
+    """
+    manifest = verify_checkpoint(path)
+    check_model_fits(path, manifest, parts.student)
+    saved_mode = manifest["teacher_mode"]
+    if weights_only:
+        if from_ema and saved_mode != "ema":
+            raise CheckpointError(f"checkpoint {path} has no EMA weights: it was written with teacher.mode={saved_mode}")
+        key = "teacher" if from_ema else "model"
+        state = {key: get_model_state_dict(parts.student)}
+        _dcp_load(state, path)
+        set_model_state_dict(parts.student, state[key])
+        return manifest
+    if saved_mode != parts.teacher_mode:
+        raise CheckpointError(
+            f"checkpoint {path} was written with teacher.mode={saved_mode}, this run has teacher.mode={parts.teacher_mode}"
+        )
+    state = _train_state(parts)
+    _dcp_load(state, path)
+    set_state_dict(parts.student, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if parts.separate_teacher:
+        set_model_state_dict(parts.teacher, state["teacher"])
+    parts.scheduler.load_state_dict(state["scheduler"])
+    return manifest
+
+
+def load_rng_state(path: Path) -> dict | None:
+    """This rank's saved RNG states; None when the checkpoint was written by fewer ranks."""
+    file = Path(path) / RNG_DIR / f"rank-{_rank()}.pt"
+    return torch.load(file, weights_only=True) if file.is_file() else None
+
+
+# --- rotation -----------------------------------------------------------------------------------
+
+def rotate_checkpoints(output_dir: Path, limit: int, keep_steps: set[int] = frozenset()) -> list[Path]:
+    """Delete the oldest checkpoints beyond `limit`, never the newest nor those in `keep_steps`.
+
+    A checkpoint is first renamed to `.deleting` (atomic), so a crash mid-delete never leaves a
+    half-deleted directory that looks complete.
+    """
+    if _rank() != 0:
+        return []
+    found = list_checkpoints(output_dir)
+    if not found:
+        return []
+    protected = set(keep_steps) | {found[-1].step}
+    excess = len(found) - limit
+    removed = []
+    for ckpt in found:
+        if excess <= 0:
+            break
+        if ckpt.step in protected:
+            continue
+        doomed = ckpt.path.with_name(ckpt.path.name + ".deleting")
+        os.rename(ckpt.path, doomed)
+        shutil.rmtree(doomed)
+        removed.append(ckpt.path)
+        excess -= 1
+    return removed
