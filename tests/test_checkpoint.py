@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from opsd.config import ConfigError, LoggingConfig, ModelConfig, OptimConfig, TeacherConfig, config_from_dict
 from opsd.data.sample import Sample
-from opsd.data.stream import SampleStream
+from opsd.data.stream import SampleList, SampleStream
 from opsd.modeling import load_model, load_processor
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer import checkpoint as ckpt
@@ -46,7 +46,7 @@ def make_parts(model_dir, teacher_mode="ema", wrap=lambda model: None):
     optimizer = build_optimizer(optim_cfg, student)
     scheduler = build_scheduler(optim_cfg, optimizer, 10)
     samples = [Sample(id=f"s{i}", question=f"q{i}", images=[], privileged_images=[]) for i in range(5)]
-    return TrainingParts(student, teacher, teacher_mode, optimizer, scheduler, processor, SampleStream(samples, seed=3))
+    return TrainingParts(student, teacher, teacher_mode, optimizer, scheduler, processor, SampleStream([SampleList(samples)], seed=3))
 
 
 def take_steps(parts, n):
@@ -324,7 +324,7 @@ def test_weights_only_resume_starts_a_new_run_from_the_ema_weights(saved, tmp_pa
     assert manager.start(parts) == 0 and manager.restored_weights
     assert_same_tensors(parts.student.state_dict(), trained.teacher.state_dict())
     assert_same_tensors(parts.teacher.state_dict(), trained.teacher.state_dict())  # the teacher starts there too
-    assert not parts.optimizer.state and parts.stream.state_dict()["position"] == 0
+    assert not parts.optimizer.state and parts.stream.state_dict()["positions"] == [0]
 
 
 def test_continued_run_restores_data_position_counters_and_rng(tmp_path, tiny_text_dir):

@@ -14,6 +14,7 @@ MINIMAL = {"model": {"path": "m"}, "data": {"path": "d"}}
 def test_configs_are_shipped():
     names = {p.name for p in CONFIGS}
     assert {"demo.yaml", "visual_opsd_qwen25vl_7b.yaml", "visual_opsd_smolvlm.yaml"} <= names
+    assert {"visual_opsd_thinkmorph.yaml", "text_opsd_qwen3_1p7b.yaml", "text_opsd_smollm2.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -73,3 +74,19 @@ def test_cli_reports_bad_override_without_traceback(capsys):
     assert "loss.top_k" in capsys.readouterr().err
     assert main(["--config", "configs/demo.yaml", "--dry-run", "no_equals_sign"]) == 2
     assert main(["--config", "configs/missing.yaml", "--dry-run"]) == 2
+
+
+def test_overrides_index_lists():
+    cfg = load_config("configs/text_opsd_smollm2.yaml", ["data.datasets.0.path=/data/x", "data.datasets.0.weight=2"])
+    assert cfg.data.datasets[0].path == "/data/x" and cfg.data.datasets[0].weight == 2.0
+    with pytest.raises(ConfigError, match="not an index of a list of 1"):
+        load_config("configs/text_opsd_smollm2.yaml", ["data.datasets.1.path=/data/y"])
+
+
+def test_recipes_use_their_schemas():
+    thinkmorph = load_config("configs/visual_opsd_thinkmorph.yaml")
+    assert {d.schema for d in thinkmorph.data.datasets} == {"thinkmorph"} and thinkmorph.prompts.privileged == ["images"]
+    for name in ("text_opsd_qwen3_1p7b.yaml", "text_opsd_smollm2.yaml"):
+        cfg = load_config(f"configs/{name}")
+        assert {d.schema for d in cfg.data.datasets} == {"text"} and cfg.prompts.privileged == ["text"]
+        assert cfg.eval.every > 0 and cfg.eval.with_teacher_prompt
