@@ -114,7 +114,7 @@ class DataConfig:
     @model_validator(mode="after")
     def _check_one_source(self) -> "DataConfig":
         if (self.path is None) == (not self.datasets):
-            raise ValueError("give either data.path (one project-schema directory) or data.datasets, not both or neither")
+            raise ValueError("give either data.path (one dataset directory) or data.datasets, not both or neither")
         if self.synthetic is not None and self.path is None:
             raise ValueError("data.synthetic goes with data.path; in data.datasets, set synthetic per dataset")
         return self

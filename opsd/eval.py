@@ -79,9 +79,9 @@ class Evaluator:
     """The run's evaluation set and settings; `run_if_due(step, engine)` -> metrics or {}."""
 
     def __init__(self, cfg, processor, *, check=None, multimodal: bool = True):
-        from opsd.data.dataset import eval_samples
+        from opsd.data.dataset import split_samples
 
-        self.samples, counts = eval_samples(cfg, check=check, multimodal=multimodal)
+        self.samples, counts = split_samples(cfg, cfg.eval.num_samples, split="eval", check=check, multimodal=multimodal)
         self.data_counts = {f"data/eval_{key}": n for key, n in sorted(counts.items())}
         self.processor, self.prompt_cfg, self.cfg, self.max_steps = processor, cfg.prompts, cfg.eval, cfg.train.max_steps
 

@@ -30,10 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--model", help="Hugging Face model directory to sample and score with (sets model.path)")
     model.add_argument("--checkpoint", help="a model directory, or a checkpoint-{step} directory holding student/ (or model/) "
                                             "and optionally teacher/ (or ema/) model directories")
-    dump.add_argument("--data", help="data directory (sets data.path)")
+    dump.add_argument("--data", help="data directory in the project schema (sets data.path, replaces data.datasets)")
     dump.add_argument("--out", required=True, help="directory for step_{N}_rank_0.parquet")
     dump.add_argument("--num-samples", type=int, default=32, help="prompts to take from the split (default 32)")
-    dump.add_argument("--split", default="train", help="train or eval: <data.path>/<split>.parquet (default train)")
+    dump.add_argument("--split", default="train", help="train or eval: the datasets' split or eval_split (default train)")
     dump.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
 
     analyze = commands.add_parser("analyze", help="summarise dumps and plot them")
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def dump_config(args: argparse.Namespace, model_dir: str | None) -> Config:
     """The config file (or the defaults), with --data and the model directory of --model/--checkpoint."""
-    overrides = list(args.overrides) + ([f"data.path={args.data}"] if args.data else [])
+    overrides = list(args.overrides) + ([f"data.path={args.data}", "data.datasets=[]"] if args.data else [])
     if args.config:
         cfg = load_config(args.config, overrides)
     elif model_dir and args.data:

@@ -14,7 +14,7 @@ from datafiles import (
 )
 from opsd.config import ConfigError, config_from_dict
 from opsd.data.arithmetic import make_problem
-from opsd.data.dataset import eval_samples, train_stream
+from opsd.data.dataset import split_samples, train_stream
 from opsd.data.errors import BadSample, BadSampleError, DataConfigError
 from opsd.data.images import ImageLimits, decode_image
 from opsd.data.synthetic import load_samples
@@ -27,6 +27,10 @@ def make_cfg(*datasets_, privileged=("images",), **data):
         "prompts": {"privileged": list(privileged)},
         "eval": {"every": 1, "num_samples": 100},
     })
+
+
+def eval_samples(cfg):
+    return split_samples(cfg, cfg.eval.num_samples, split="eval")
 
 
 def drain(stream, n_good):
@@ -179,6 +183,15 @@ def test_directory_splits_and_eval_alias(tmp_path, grid_data_dir):
     assert len(train_ids) == 24 and train_ids.isdisjoint(s.id for s in samples)
     with pytest.raises(DataConfigError, match="no split 'validation'; the splits are: train, test"):
         eval_samples(make_cfg({"path": str(grid_data_dir), "eval_split": "validation"}))
+
+
+def test_first_rows_of_the_training_splits_in_turn(tmp_path, grid_data_dir):
+    text = write_text_jsonl(tmp_path / "train.jsonl", n_good=3, defects=TEXT_DEFECTS[:1])
+    cfg = make_cfg({"path": str(grid_data_dir)}, {"path": str(text), "schema": "text"}, privileged=["images", "text"])
+    samples, skipped = split_samples(cfg, 6, split="train")
+    grid = [s.id for s in load_samples(grid_data_dir / "train.parquet")[:3]]
+    assert [s.id for s in samples] == [grid[0], "arith-s0-00000", grid[1], "arith-s0-00001", grid[2], "arith-s0-00002"]
+    assert not skipped  # the bad text row comes after the three used
 
 
 def test_data_path_shorthand_evaluates_eval_parquet(grid_data_dir):

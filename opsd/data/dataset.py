@@ -1,7 +1,7 @@
 """The run's datasets: open each configured split through `datasets`, serve its rows as samples.
 
     stream = train_stream(cfg, check=..., rank=0, world_size=1)   # mixture of training splits
-    samples, skipped = eval_samples(cfg, check=...)                # the fixed evaluation set
+    samples, skipped = split_samples(cfg, 8, split="eval")         # the first usable rows
 
 Files are read with `datasets.load_dataset` one at a time (parquet, json lines, arrow, csv), so a
 bad row can be named by file and row; a directory written by `save_to_disk` is read with
@@ -237,19 +237,25 @@ def train_stream(cfg: Config, *, check=None, multimodal: bool = True, rank: int 
     )
 
 
-def eval_samples(cfg: Config, *, check=None, multimodal: bool = True) -> tuple[list[Sample], Counter]:
-    """The evaluation set: the first `eval.num_samples` usable rows of the eval splits, taken in
-    turn from each dataset, in file order (the same set at every evaluation), and the skip counts."""
+def split_samples(
+    cfg: Config, n: int, *, split: str = "eval", check=None, multimodal: bool = True
+) -> tuple[list[Sample], Counter]:
+    """The first `n` usable rows of each dataset's training (`split="train"`) or eval split, taken
+    in turn from each dataset in file order (the same set every time), and the skip counts.
+
+    The evaluation set is `split_samples(cfg, cfg.eval.num_samples)`.
+    """
     stats = Counter()
-    pairs = [(key, d) for key, d in dataset_configs(cfg.data) if d.eval_split]
+    pairs = [(key, d, d.split if split == "train" else d.eval_split) for key, d in dataset_configs(cfg.data)]
+    pairs = [p for p in pairs if p[2]]
     if not pairs:
-        raise DataConfigError("eval.every is set, but no dataset has an eval_split (data.datasets.N.eval_split)")
-    sources = [open_source(cfg, key, d, d.eval_split, stats) for key, d in pairs]
+        raise DataConfigError("evaluation needs a dataset with an eval_split (data.datasets.N.eval_split)")
+    sources = [open_source(cfg, key, d, name, stats) for key, d, name in pairs]
     check_fits_model(sources, multimodal)
     samples, cursors = [], [0] * len(sources)
-    while len(samples) < cfg.eval.num_samples and any(c < len(s) for c, s in zip(cursors, sources)):
+    while len(samples) < n and any(c < len(s) for c, s in zip(cursors, sources)):
         for k, source in enumerate(sources):
-            if cursors[k] >= len(source) or len(samples) == cfg.eval.num_samples:
+            if cursors[k] >= len(source) or len(samples) == n:
                 continue
             index, cursors[k] = cursors[k], cursors[k] + 1
             try:
@@ -259,5 +265,5 @@ def eval_samples(cfg: Config, *, check=None, multimodal: bool = True) -> tuple[l
                     raise bad_sample_error(source, index, bad) from None
                 stats[f"skipped_{bad.reason}"] += 1
     if not samples:
-        raise BadSampleError(f"no usable evaluation sample; skipped: {dict(stats)}")
+        raise BadSampleError(f"no usable sample in the {split} splits; skipped: {dict(stats)}")
     return samples, stats

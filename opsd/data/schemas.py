@@ -66,7 +66,8 @@ class ColumnPlan:
     columns: dict[str, tuple[str, ...]]
 
     def all_columns(self) -> list[str]:
-        return [c for cols in self.columns.values() for c in cols]
+        """Each column once (two fields may read the same one)."""
+        return list(dict.fromkeys(c for cols in self.columns.values() for c in cols))
 
 
 def plan_columns(

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from opsd.config import Config
-from opsd.data.dataset import prepare_data_dir
-from opsd.data.synthetic import load_samples
+from opsd.config import Config, ConfigError
+from opsd.data.dataset import split_samples
+from opsd.data.validation import prompt_length_check
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import student_prompt
+from opsd.prompts import is_multimodal, student_prompt
 from opsd.rollout import make_engine
 from opsd.rollout.dumps import RolloutRecorder
 from opsd.sequences import build_sample_examples
@@ -55,11 +55,12 @@ def resolve_model_dirs(path: str | Path) -> ModelDirs:
     return ModelDirs(str(student), str(teacher) if teacher else None, step)
 
 
-def load_split(cfg: Config, split: str) -> list:
-    path = prepare_data_dir(cfg.data) / f"{split}.parquet"
-    if not path.is_file():
-        raise FileNotFoundError(f"data.path: no {split}.parquet in {path.parent}")
-    return load_samples(path)
+def load_split(cfg: Config, split: str, num_samples: int, processor) -> list:
+    """The first usable `num_samples` rows of the datasets' `train` or `eval` splits."""
+    if split not in ("train", "eval"):
+        raise ConfigError(f"--split must be train or eval (got {split!r})")
+    check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
+    return split_samples(cfg, num_samples, split=split, check=check, multimodal=is_multimodal(processor))[0]
 
 
 def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: str = "train",
@@ -73,7 +74,7 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
     pad_id = getattr(processor, "tokenizer", processor).pad_token_id
-    samples = load_split(cfg, split)[:num_samples]
+    samples = load_split(cfg, split, num_samples, processor)
     engine = make_engine(cfg, model_dir, processor)
     try:
         student_prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
