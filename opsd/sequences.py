@@ -121,3 +121,9 @@ def build_examples(
             Example(sample_ids[c.prompt_index], student, teacher, c.token_ids[:budget], c.logprobs[:budget])
         )
     return examples, counts
+
+
+def padding_example(student: EncodedPrompt, teacher: EncodedPrompt, token_id: int) -> Example:
+    """A one-token stand-in for a rank left with nothing to train on: under FSDP it still has to run
+    the same forwards and backwards as the other ranks (the trainer gives it loss weight 0)."""
+    return Example("<padding>", student, teacher, [token_id], [0.0])

@@ -1,6 +1,7 @@
-"""On-policy self-distillation, single process.
+"""On-policy self-distillation, in one process or on every rank of a torchrun launch.
 
     python -m opsd.train --config configs/demo.yaml [dotted.key=value ...] [--dry-run]
+    torchrun --nproc_per_node 8 -m opsd.train --config ...   # FSDP2, one colocated engine per rank
 
 Each optimizer step: sample completions from the student with the rollout engine -> build the
 student and teacher sequences around the same completion ids -> score both -> loss -> backward and
@@ -26,19 +27,23 @@ from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout import SamplingSettings, make_engine
 from opsd.rollout.weight_sync import push_weights
-from opsd.sequences import build_examples, encode_prompt
+from opsd.sequences import build_examples, encode_prompt, padding_example
 from opsd.teacher import make_teacher, update_teacher
-from opsd.trainer.device import resolve_device, seed_everything
-from opsd.trainer.metrics import MetricsLogger
+from opsd.trainer.device import seed_everything
+from opsd.trainer.distributed import Ranks, init_distributed
+from opsd.trainer.fsdp import shard_model
+from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.step import train_step
 
 
-def sampling_settings(cfg: Config, step: int, processor) -> SamplingSettings:
+def sampling_settings(cfg: Config, step: int, processor, first_prompt: int = 0) -> SamplingSettings:
+    """Prompt i of the call samples with seed `seed + i`; `first_prompt` (the index of the call's first
+    prompt in the step's global batch) makes a prompt's seed the same whichever rank samples it."""
     r = cfg.rollout
     return SamplingSettings(
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        n=r.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007,
+        n=r.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007 + first_prompt,
         banned_token_ids=placeholder_token_ids(processor),
     )
 
@@ -46,7 +51,8 @@ def sampling_settings(cfg: Config, step: int, processor) -> SamplingSettings:
 def train(cfg: Config) -> Path:
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.train.device)
+    ranks = init_distributed(cfg.distributed, cfg.train.device)
+    device = ranks.device
 
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
@@ -54,19 +60,24 @@ def train(cfg: Config) -> Path:
     stream = SampleStream(load_train_samples(cfg.data), seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
-    student = load_model(cfg.model, processor, device)
+    # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
+    student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else device)
     teacher = make_teacher(cfg.teacher, student)
+    if ranks.enabled:
+        student, teacher = shard_models(cfg, ranks, student, teacher)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
-    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg))
+    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg)) if ranks.is_main else NullMetricsLogger()
     prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
 
-    for step in tqdm(range(1, cfg.train.max_steps + 1), disable=not cfg.logging.progress_bar, desc="opsd"):
-        # 1. Sample completions from the current student weights.
+    progress = cfg.logging.progress_bar and ranks.is_main
+    for step in tqdm(range(1, cfg.train.max_steps + 1), disable=not progress, desc="opsd"):
+        # 1. Sample completions from the current student weights (each rank its own prompts).
         t0 = time.perf_counter()
-        samples = stream.take(prompts_per_step)
+        samples = stream.take(prompts_per_step, rank=ranks.rank, world_size=ranks.world_size)
         student_prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
-        completions = engine.generate(student_prompts, sampling_settings(cfg, step, processor))
+        sampling = sampling_settings(cfg, step, processor, first_prompt=ranks.rank * prompts_per_step)
+        completions = engine.generate(student_prompts, sampling)
 
         # 2. Student and teacher sequences end with the identical completion ids.
         t1 = time.perf_counter()
@@ -77,7 +88,10 @@ def train(cfg: Config) -> Path:
             completions,
             cfg.train.max_forward_tokens,
         )
-        if not examples:
+        counts = dict(zip(counts, map(int, ranks.sum(list(counts.values())))))
+        # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
+        step_tokens = int(ranks.sum([sum(len(e.completion_ids) for e in examples)])[0])
+        if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
             logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
             continue
 
@@ -90,11 +104,15 @@ def train(cfg: Config) -> Path:
             max_grad_norm=cfg.optim.max_grad_norm,
             dtype=cfg.model.dtype,
             pad_id=pad_id,
+            ranks=ranks,
+            total_tokens=step_tokens,
+            padding=rank_padding(cfg, processor, samples[0], pad_id) if ranks.enabled else None,
         )
         scheduler.step()
         update_teacher(cfg.teacher, teacher, student)
 
-        # 4. Push the new weights into the engine so the next rollouts are on-policy.
+        # 4. Push the new weights into the engine so the next rollouts are on-policy. Every rank takes
+        #    part in gathering each full tensor from the shards and pushes it into its own engine.
         t2 = time.perf_counter()
         sync = push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
 
@@ -105,8 +123,25 @@ def train(cfg: Config) -> Path:
         })
 
     logger.close()
+    ranks.barrier()
     engine.close()
+    ranks.close()
     return output_dir
+
+
+def shard_models(cfg: Config, ranks: Ranks, student, teacher):
+    """FSDP2 for the student and for the frozen teacher (a `self` teacher is the student itself)."""
+    sharded = shard_model(student, ranks, cfg.distributed, trainable=True)
+    if teacher is student:
+        return sharded, sharded
+    return sharded, shard_model(teacher, ranks, cfg.distributed, trainable=False)
+
+
+def rank_padding(cfg: Config, processor, sample, pad_id: int):
+    """The example a rank trains on at loss weight 0 when it has fewer micro-batches than another."""
+    student = encode_prompt(processor, student_prompt(sample, processor, cfg.prompts))
+    teacher = encode_prompt(processor, teacher_prompt(sample, processor, cfg.prompts))
+    return padding_example(student, teacher, pad_id)
 
 
 def describe_plan(cfg: Config) -> str:
