@@ -158,6 +158,8 @@ def describe_plan(cfg: Config) -> str:
         f"T={cfg.loss.temperature}, top_k={cfg.loss.top_k}, clip={cfg.loss.token_clip} ({cfg.loss.clip_mode})",
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
+        f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
+        f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
     ])
 
 
