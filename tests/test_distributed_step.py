@@ -3,8 +3,8 @@
 A rank may have fewer micro-batches than the other, or none at all (every completion empty or
 skipped): it pads with weight-0 micro-steps and must neither hang nor change the result. The loss is
 divided by the tokens of both ranks (global token normalisation), so the update equals the
-single-process one. Plain SGD keeps round-off differences of the gradients visible as such (Adam
-would scale them up to the learning rate).
+single-process one, gradient clipping included. Plain SGD keeps round-off differences of the
+gradients visible as such (Adam would scale them up to the learning rate).
 """
 
 import copy
@@ -51,7 +51,7 @@ def run_steps(student, teacher, rank_examples, step_kwargs):
     for step, examples in enumerate(rank_examples):
         metrics.append(train_step(
             student, teacher, examples, optimizer, loss_cfg=LOSS, micro_batch_size=1,
-            max_grad_norm=0.0, dtype="float32", pad_id=0, **step_kwargs(step),
+            max_grad_norm=2.0, dtype="float32", pad_id=0, **step_kwargs(step),
         ))
         update_teacher(TEACHER, teacher, student)
     return metrics
@@ -116,7 +116,7 @@ def test_two_ranks_with_uneven_and_empty_shares_match_one_process(tmp_path, tiny
         got = [torch.load(tmp_path / f"{mode}-rank{r}.pt") for r in (0, 1)]
         for metrics, full, _ in got:
             for m, ref in zip(metrics, reference):
-                for key in ("loss", "jsd", "ce", "completion_tokens", "completion_len", "logprob_mismatch_mean"):
+                for key in ("loss", "jsd", "ce", "grad_norm", "completion_tokens", "completion_len", "logprob_mismatch_mean"):
                     assert m[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), (mode, key)
             for name, value in expected.items():
                 torch.testing.assert_close(full[name], value, atol=1e-6, rtol=1e-5, msg=f"{mode}: {name}")
