@@ -88,9 +88,9 @@ def train(cfg: Config) -> Path:
             completions,
             cfg.train.max_forward_tokens,
         )
-        counts = dict(zip(counts, map(int, ranks.sum(list(counts.values())))))
         # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
-        step_tokens = int(ranks.sum([sum(len(e.completion_ids) for e in examples)])[0])
+        *dropped, step_tokens = map(int, ranks.sum([*counts.values(), sum(len(e.completion_ids) for e in examples)]))
+        counts = dict(zip(counts, dropped))
         if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
             logger.log(step, {"skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0]})
             continue
