@@ -24,3 +24,4 @@ test-fast: $(ENV_STAMP)
 bench: $(ENV_STAMP)
 	$(PYTHON) bench/loss_memory.py
 	$(PYTHON) bench/rollout_throughput.py
+	$(PYTHON) bench/weight_sync.py

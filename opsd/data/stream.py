@@ -23,15 +23,17 @@ class SampleStream:
             return np.arange(len(self.samples))
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.samples))
 
-    def take(self, n: int) -> list[Sample]:
+    def take(self, n: int, *, rank: int = 0, world_size: int = 1) -> list[Sample]:
+        """The next `n` samples; with `world_size` ranks, this rank's block of the next `n * world_size`
+        (every rank reads the same order and keeps a distinct slice)."""
         batch = []
-        while len(batch) < n:
+        while len(batch) < n * world_size:
             if self.position == len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._epoch_order()
             batch.append(self.samples[self._order[self.position]])
             self.position += 1
-        return batch
+        return batch[rank * n : (rank + 1) * n]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self.samples)}
