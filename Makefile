@@ -10,7 +10,9 @@ $(ENV_STAMP): pyproject.toml scripts/setup_env.py
 
 env: $(ENV_STAMP)
 
+# The demo config resumes runs/demo when it exists; `make demo` always shows a fresh run.
 demo: $(ENV_STAMP)
+	rm -rf runs/demo
 	$(PYTHON) -m opsd.train --config configs/demo.yaml
 
 test: $(ENV_STAMP)
@@ -22,3 +24,4 @@ test-fast: $(ENV_STAMP)
 bench: $(ENV_STAMP)
 	$(PYTHON) bench/loss_memory.py
 	$(PYTHON) bench/rollout_throughput.py
+	$(PYTHON) bench/weight_sync.py

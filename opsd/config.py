@@ -195,6 +195,12 @@ class RolloutConfig:
     """Weight sync streams full tensors to the engine in buckets of at most this size."""
     server: ServerEngineConfig = dataclasses.field(default_factory=ServerEngineConfig)
     """The out-of-process engine (`engine: server`)."""
+    tensor_parallel_size: Annotated[int, Field(gt=0)] = 1
+    """Under torchrun: ranks per vLLM engine (consecutive ranks share one tensor-parallel engine, vLLM's
+    external launcher); 1 = one engine per rank. GPU only in practice."""
+    sleep_mode: bool = True
+    """On CUDA: the vLLM engine sleeps while the trainer trains (weights offloaded, KV cache freed) and
+    wakes for the weight sync. Ignored on CPU, where vLLM has no sleep mode."""
 
     @field_validator("engine")
     @classmethod
@@ -277,6 +283,25 @@ class EvalConfig:
 
 
 @dataclass(config=_STRICT)
+class DistributedConfig:
+    """Multi-process training under torchrun (FSDP2); ignored by single-process runs."""
+
+    timeout_s: Annotated[int, Field(gt=0)] = 1800
+    """Process-group timeout: a collective that waits longer than this fails instead of hanging."""
+    shard_size: Annotated[int, Field(gt=0)] | None = None
+    """Ranks that shard one copy of the weights; the world is `world_size / shard_size` replicas of
+    that (hybrid sharding, HSDP). None = shard over all ranks (plain FSDP)."""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP mixed precision: dtype the gathered parameters compute in (master shards stay float32)."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """FSDP mixed precision: dtype gradients are reduced in across ranks."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the student's backward."""
+    cpu_offload_teacher: bool = False
+    """Keep the frozen EMA/fixed teacher's shards in CPU memory (CUDA runs; no-op on CPU)."""
+
+
+@dataclass(config=_STRICT)
 class WandbConfig:
     mode: Literal["online", "offline", "disabled"] = "disabled"
     project: str = "opsd"
@@ -343,11 +368,15 @@ class Config:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
+        if self.distributed.param_dtype == "bfloat16" and self.model.dtype != "bfloat16":
+            # FSDP casts the parameters only; bfloat16 autocast casts the inputs (pixel values) to match.
+            raise ValueError("distributed.param_dtype=bfloat16 needs model.dtype=bfloat16")
         return self
 
 

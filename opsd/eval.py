@@ -54,22 +54,31 @@ def eval_due(step: int, cfg: EvalConfig, max_steps: int) -> bool:
     return cfg.every > 0 and (step % cfg.every == 0 or step == max_steps)
 
 
-def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig, cfg: EvalConfig) -> dict:
+def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig, cfg: EvalConfig, ranks=None) -> dict:
     """`eval/accuracy` and `eval/answered` (share of completions with an extractable answer), and the
-    same with the teacher's prompt (`eval/teacher_*`) when configured."""
+    same with the teacher's prompt (`eval/teacher_*`) when configured.
+
+    With data-parallel `ranks` (opsd.trainer.distributed.Ranks), each rank answers every
+    world_size-th sample with its own engine and the counts are summed: all ranks return the same.
+    """
     t0 = time.perf_counter()
+    mine = samples[ranks.rank :: ranks.world_size] if ranks is not None else samples
     settings = SamplingSettings(
         max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1, banned_token_ids=placeholder_token_ids(processor)
     )
     roles = [("", student_prompt)] + ([("teacher_", teacher_prompt)] if cfg.with_teacher_prompt else [])
-    metrics = {}
-    for prefix, render in roles:
-        completions = engine.generate([render(s, processor, prompt_cfg) for s in samples], settings)
+    counts = []
+    for _, render in roles:
+        completions = engine.generate([render(s, processor, prompt_cfg) for s in mine], settings) if mine else []
         texts = [c.text for c in sorted(completions, key=lambda c: c.prompt_index)]
-        metrics[f"eval/{prefix}accuracy"] = sum(
-            is_correct(text, s.answer, cfg.answer_pattern) for text, s in zip(texts, samples, strict=True)
-        ) / len(samples)
-        metrics[f"eval/{prefix}answered"] = sum(extract_answer(t, cfg.answer_pattern) is not None for t in texts) / len(samples)
+        counts.append(sum(is_correct(t, s.answer, cfg.answer_pattern) for t, s in zip(texts, mine, strict=True)))
+        counts.append(sum(extract_answer(t, cfg.answer_pattern) is not None for t in texts))
+    if ranks is not None:
+        counts = ranks.sum(counts)
+    metrics = {}
+    for (prefix, _), correct, answered in zip(roles, counts[::2], counts[1::2]):
+        metrics[f"eval/{prefix}accuracy"] = correct / len(samples)
+        metrics[f"eval/{prefix}answered"] = answered / len(samples)
     metrics["eval/num_samples"] = len(samples)
     metrics["time_eval_s"] = time.perf_counter() - t0
     return metrics
@@ -85,7 +94,7 @@ class Evaluator:
         self.data_counts = {f"data/eval_{key}": n for key, n in sorted(counts.items())}
         self.processor, self.prompt_cfg, self.cfg, self.max_steps = processor, cfg.prompts, cfg.eval, cfg.train.max_steps
 
-    def run_if_due(self, step: int, engine) -> dict:
+    def run_if_due(self, step: int, engine, ranks=None) -> dict:
         if not eval_due(step, self.cfg, self.max_steps):
             return {}
-        return {**evaluate(engine, self.samples, self.processor, self.prompt_cfg, self.cfg), **self.data_counts}
+        return {**evaluate(engine, self.samples, self.processor, self.prompt_cfg, self.cfg, ranks), **self.data_counts}

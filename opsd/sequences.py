@@ -136,3 +136,9 @@ def build_sample_examples(
         completions,
         max_forward_tokens,
     )
+
+
+def padding_example(student: EncodedPrompt, teacher: EncodedPrompt, token_id: int) -> Example:
+    """A one-token stand-in for a rank left with nothing to train on: under FSDP it still has to run
+    the same forwards and backwards as the other ranks (the trainer gives it loss weight 0)."""
+    return Example("<padding>", student, teacher, [token_id], [0.0])

@@ -23,6 +23,12 @@ def update_teacher(cfg: TeacherConfig, teacher: nn.Module, student: nn.Module) -
     """After each optimizer step: EMA teachers move toward the student; the others stay."""
     if cfg.mode != "ema":
         return
-    teacher_params = list(teacher.parameters())
-    student_params = [p.detach() for p in student.parameters()]
+    # Sharded (FSDP) models are updated shard by shard: both are sharded alike, so local shards
+    # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU.
+    teacher_params = [_local(p) for p in teacher.parameters()]
+    student_params = [_local(p.detach()).to(t.device) for p, t in zip(student.parameters(), teacher_params)]
     torch._foreach_lerp_(teacher_params, student_params, 1.0 - cfg.ema_decay)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

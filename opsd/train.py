@@ -1,6 +1,7 @@
-"""On-policy self-distillation, single process.
+"""On-policy self-distillation, in one process or on every rank of a torchrun launch.
 
     python -m opsd.train --config configs/demo.yaml [dotted.key=value ...] [--dry-run]
+    torchrun --nproc_per_node 8 -m opsd.train --config ...   # FSDP2, one colocated engine per rank
 
 Each optimizer step: sample completions from the student with the rollout engine -> build the
 student and teacher sequences around the same completion ids -> score both -> loss -> backward and
@@ -26,25 +27,29 @@ from opsd.data.errors import BadSampleError
 from opsd.data.validation import prompt_length_check
 from opsd.eval import Evaluator
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt
+from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout import SamplingSettings, make_engine
 from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
 from opsd.rollout.weight_sync import push_weights
-from opsd.sequences import build_sample_examples
+from opsd.sequences import build_sample_examples, encode_prompt, padding_example
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts
 from opsd.trainer.checkpoint_manager import CheckpointManager
-from opsd.trainer.device import resolve_device, seed_everything
-from opsd.trainer.metrics import MetricsLogger
+from opsd.trainer.device import seed_everything
+from opsd.trainer.distributed import Ranks, init_distributed
+from opsd.trainer.fsdp import shard_model
+from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.step import train_step
 
 
-def sampling_settings(cfg: Config, step: int, processor) -> SamplingSettings:
+def sampling_settings(cfg: Config, step: int, processor, first_prompt: int = 0) -> SamplingSettings:
+    """Prompt i of the call samples with seed `seed + i`; `first_prompt` (the index of the call's first
+    prompt in the step's global batch) makes a prompt's seed the same whichever rank samples it."""
     r = cfg.rollout
     return SamplingSettings(
         max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        n=r.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007,
+        n=r.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007 + first_prompt,
         banned_token_ids=placeholder_token_ids(processor),
     )
 
@@ -52,7 +57,8 @@ def sampling_settings(cfg: Config, step: int, processor) -> SamplingSettings:
 def train(cfg: Config) -> Path:
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.train.device)
+    ranks = init_distributed(cfg.distributed, cfg.train.device)  # before the engine: vLLM joins this group
+    device = ranks.device
     checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
 
     model_dir = prepare_model_dir(cfg.model)
@@ -64,12 +70,18 @@ def train(cfg: Config) -> Path:
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
-    student = load_model(cfg.model, processor, device)
+    # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
+    student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else device)
     teacher = make_teacher(cfg.teacher, student)
+    if ranks.enabled:
+        student, teacher = shard_models(cfg, ranks, student, teacher)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
-    logger = MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg),
-                           resume_step=checkpoints.resume_step, wandb_run_id=checkpoints.saved_wandb_run_id)
+    logger = (
+        MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg),
+                      resume_step=checkpoints.resume_step, wandb_run_id=checkpoints.saved_wandb_run_id)
+        if ranks.is_main else NullMetricsLogger()
+    )
     parts = TrainingParts(student, teacher, cfg.teacher.mode, optimizer, scheduler, processor, stream)
     start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
     # Start on-policy: the engine was built from model.path (or is a long-lived server holding other
@@ -79,22 +91,27 @@ def train(cfg: Config) -> Path:
     prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
 
     steps = range(start_step + 1, cfg.train.max_steps + 1)
-    for step in tqdm(steps, initial=start_step, total=cfg.train.max_steps, disable=not cfg.logging.progress_bar, desc="opsd"):
-        # 1. Sample completions from the current student weights.
+    progress = cfg.logging.progress_bar and ranks.is_main
+    for step in tqdm(steps, initial=start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
+        # 1. Sample completions from the current student weights (each rank its own prompts).
         t0 = time.perf_counter()
-        samples = stream.take(prompts_per_step)
+        samples = stream.take(prompts_per_step, rank=ranks.rank, world_size=ranks.world_size)
         student_prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
-        completions = engine.generate(student_prompts, sampling_settings(cfg, step, processor))
+        sampling = sampling_settings(cfg, step, processor, first_prompt=ranks.rank * prompts_per_step)
+        completions = engine.generate(student_prompts, sampling)
 
         # 2. Student and teacher sequences end with the identical completion ids.
         t1 = time.perf_counter()
         examples, counts = build_sample_examples(
             processor, cfg.prompts, samples, student_prompts, completions, cfg.train.max_forward_tokens
         )
-        if not examples:
+        # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
+        *dropped, step_tokens = map(int, ranks.sum([*counts.values(), sum(len(e.completion_ids) for e in examples)]))
+        counts = dict(zip(counts, dropped))
+        if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
             record = {
                 "skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0],
-                **stream.metrics(), **(evaluator.run_if_due(step, engine) if evaluator else {}),
+                **stream.metrics(), **(evaluator.run_if_due(step, engine, ranks) if evaluator else {}),
             }
             logger.log(step, record)
             checkpoints.step_end(step, record)
@@ -111,11 +128,15 @@ def train(cfg: Config) -> Path:
             dtype=cfg.model.dtype,
             pad_id=pad_id,
             on_scored=recorder.collect if recorder else None,
+            ranks=ranks,
+            total_tokens=step_tokens,
+            padding=rank_padding(cfg, processor, samples[0], pad_id) if ranks.enabled else None,
         )
         scheduler.step()
         update_teacher(cfg.teacher, teacher, student)
 
-        # 4. Push the new weights into the engine so the next rollouts are on-policy.
+        # 4. Push the new weights into the engine so the next rollouts are on-policy. Every rank takes
+        #    part in gathering each full tensor from the shards and pushes it into its own engine.
         t2 = time.perf_counter()
         sync = push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
 
@@ -125,14 +146,31 @@ def train(cfg: Config) -> Path:
             **metrics, **counts, "lr": lr,
             "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": sync.seconds,
             "weight_sync_bytes": sync.bytes,
-            **stream.metrics(), **(evaluator.run_if_due(step, engine) if evaluator else {}),
+            **stream.metrics(), **(evaluator.run_if_due(step, engine, ranks) if evaluator else {}),
         }
         logger.log(step, record)
         checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
 
     logger.close()
+    ranks.barrier()
     engine.close()
+    ranks.close()
     return output_dir
+
+
+def shard_models(cfg: Config, ranks: Ranks, student, teacher):
+    """FSDP2 for the student and for the frozen teacher (a `self` teacher is the student itself)."""
+    sharded = shard_model(student, ranks, cfg.distributed, trainable=True)
+    if teacher is student:
+        return sharded, sharded
+    return sharded, shard_model(teacher, ranks, cfg.distributed, trainable=False)
+
+
+def rank_padding(cfg: Config, processor, sample, pad_id: int):
+    """The example a rank trains on at loss weight 0 when it has fewer micro-batches than another."""
+    student = encode_prompt(processor, student_prompt(sample, processor, cfg.prompts))
+    teacher = encode_prompt(processor, teacher_prompt(sample, processor, cfg.prompts))
+    return padding_example(student, teacher, pad_id)
 
 
 def describe_plan(cfg: Config) -> str:
@@ -155,6 +193,8 @@ def describe_plan(cfg: Config) -> str:
         f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
         f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
         f"{f', resume from {cfg.checkpoint.resume_from}' if cfg.checkpoint.resume_from else ''}",
+        f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
+        f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
     ])
 
 

@@ -52,20 +52,26 @@ def test_every_row_once_per_epoch_and_a_new_order_each_epoch():
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_get_disjoint_shards(world_size):
-    sources = lambda: [ListSource("a", 31), ListSource("b", 17)]  # noqa: E731
-    weights = [2, 1]
-    per_rank = [
-        SampleStream(sources(), weights=weights, seed=5, rank=r, world_size=world_size).take(12) for r in range(world_size)
-    ]
-    seen = [set(ids(batch)) for batch in per_rank]
-    assert all(len(s) == 12 for s in seen)  # no repeats within a rank's first epoch
+def test_ranks_get_disjoint_samples_and_keep_the_same_state(world_size):
+    def make():
+        return SampleStream([ListSource("a", 31, bad={4}), ListSource("b", 17)], weights=[2, 1], seed=5)
+
+    streams = [make() for _ in range(world_size)]
+    per_rank = [[] for _ in range(world_size)]
+    for _ in range(3):  # three steps of 4 prompts per rank
+        for r, stream in enumerate(streams):
+            per_rank[r] += ids(stream.take(4, rank=r, world_size=world_size))
+    seen = [set(batch) for batch in per_rank]
+    assert all(len(s) == 12 for s in seen)
     for r in range(world_size):
         for q in range(r + 1, world_size):
             assert seen[r].isdisjoint(seen[q])
-    # Ranks pick datasets in lockstep: draw i comes from the same dataset on every rank.
-    names = [[i.split("/")[0] for i in ids(batch)] for batch in per_rank]
-    assert all(n == names[0] for n in names)
+    # Together the ranks read exactly what one process taking 4 x world_size per step reads.
+    single = make()
+    together = [i for _ in range(3) for i in ids(single.take(4 * world_size))]
+    assert sorted(together) == sorted(i for batch in per_rank for i in batch)
+    # Every rank holds the same position and counts: one saved state resumes them all.
+    assert all(s.state_dict() == single.state_dict() for s in streams)
 
 
 def test_saved_state_resumes_with_the_identical_next_samples():

@@ -54,7 +54,7 @@ def test_demo_config_evaluates_at_least_twice():
 
 
 class ScriptedEngine:
-    """Answers by prompt: a teacher prompt (it holds the reference answer) answers right."""
+    """Answers by prompt: a teacher prompt (it holds the reference answer) and question q0 answer right."""
 
     def __init__(self):
         self.calls = []
@@ -63,7 +63,7 @@ class ScriptedEngine:
         self.calls.append(sampling)
         out = []
         for i, p in reversed(list(enumerate(prompts))):  # out of order: evaluate must not rely on it
-            text = "<answer>4</answer>" if "Reference answer: 4" in p.text or i == 0 else "<answer>5</answer>"
+            text = "<answer>4</answer>" if "Reference answer: 4" in p.text or "q0" in p.text else "<answer>5</answer>"
             out.append(Completion(prompt_index=i, token_ids=[1], logprobs=[0.0], text=text))
         return out
 
@@ -96,3 +96,30 @@ def test_temperature_zero_is_greedy_in_the_hf_engine(tiny_text_dir):
     with torch.no_grad():
         first = model(input_ids=ids).logits[0, -1].argmax().item()
     assert runs[0].token_ids[0] == first
+
+
+class SummingRanks:
+    """Rank `rank` of `world_size`; `sum` records this rank's counts and returns them unchanged."""
+
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size, self.sent = rank, world_size, None
+
+    def sum(self, values):
+        self.sent = list(values)
+        return list(values)
+
+
+def test_ranks_evaluate_disjoint_shares_that_add_up(tiny_text_dir):
+    from opsd.modeling import load_processor
+
+    processor = load_processor(ModelConfig(path=str(tiny_text_dir)))
+    samples = [Sample(id=str(i), question=f"q{i}", images=[], privileged_images=[], answer="4") for i in range(5)]
+    cfg = EvalConfig(every=1, with_teacher_prompt=True)
+    prompt_cfg = PromptConfig(privileged=["answer"])
+    single = evaluate(ScriptedEngine(), samples, processor, prompt_cfg, cfg)
+    ranks = [SummingRanks(r, 2) for r in range(2)]
+    for r in ranks:
+        evaluate(ScriptedEngine(), samples, processor, prompt_cfg, cfg, r)
+    total = [a + b for a, b in zip(ranks[0].sent, ranks[1].sent)]
+    assert total[::2] == [single["eval/accuracy"] * 5, single["eval/teacher_accuracy"] * 5]
+    assert ranks[0].sent[1] + ranks[1].sent[1] == 5  # every sample answered once, by one rank

@@ -1,6 +1,6 @@
 """The run's datasets: open each configured split through `datasets`, serve its rows as samples.
 
-    stream = train_stream(cfg, check=..., rank=0, world_size=1)   # mixture of training splits
+    stream = train_stream(cfg, check=...)                          # mixture of training splits
     samples, skipped = split_samples(cfg, 8, split="eval")         # the first usable rows
 
 Files are read with `datasets.load_dataset` one at a time (parquet, json lines, arrow, csv), so a
@@ -225,15 +225,15 @@ def check_fits_model(sources: list[RowSource], multimodal: bool) -> None:
             )
 
 
-def train_stream(cfg: Config, *, check=None, multimodal: bool = True, rank: int = 0, world_size: int = 1) -> SampleStream:
-    """The training mixture; `rank`/`world_size` select this data-parallel rank's shard."""
+def train_stream(cfg: Config, *, check=None, multimodal: bool = True) -> SampleStream:
+    """The training mixture (`take(n, rank=, world_size=)` gives a data-parallel rank its share)."""
     stats = Counter()
     pairs = dataset_configs(cfg.data)
     sources = [open_source(cfg, key, d, d.split, stats) for key, d in pairs]
     check_fits_model(sources, multimodal)
     return SampleStream(
         sources, weights=[d.weight for _, d in pairs], seed=cfg.train.seed, shuffle=cfg.data.shuffle,
-        rank=rank, world_size=world_size, on_bad_sample=cfg.data.on_bad_sample, check=check, stats=stats,
+        on_bad_sample=cfg.data.on_bad_sample, check=check, stats=stats,
     )
 
 

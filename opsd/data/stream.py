@@ -3,10 +3,11 @@
 - Every draw first picks a dataset with probability proportional to its weight, then takes that
   dataset's next row in its epoch order. Both are pure functions of (seed, draw number, epoch), so
   the stream is reproducible and its position is a handful of integers (`state_dict`).
-- Each dataset is reshuffled every epoch from (seed, dataset index, epoch). With `world_size` > 1,
-  rank r takes positions r, r + W, r + 2W, ... of the epoch order (the tail that does not divide
-  evenly is left out), so the ranks' samples within an epoch are disjoint; the dataset choice is
-  the same on every rank.
+- Each dataset is reshuffled every epoch from (seed, dataset index, epoch).
+- Data-parallel ranks: `take(n, rank=r, world_size=W)` draws the next n x W samples, the same on
+  every rank, and returns rank r's block of n: the ranks get distinct parts of one sequence, and
+  the stream's state (position, skip counts) is the same on every rank, so one saved state
+  resumes them all. (Each rank decodes and checks all n x W samples: cheap beside generation.)
 - A bad row (`BadSample`) is skipped and counted once per row (`stats`), or, with
   `on_bad_sample="error"`, stops the run naming the dataset, file and row. A row known to be bad
   is not decoded again in later epochs.
@@ -74,8 +75,6 @@ class SampleStream:
         weights: list[float] | None = None,
         seed: int = 0,
         shuffle: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
         on_bad_sample: str = "skip",
         check: Callable[[Sample], None] | None = None,
         stats: Counter | None = None,
@@ -84,17 +83,12 @@ class SampleStream:
         `stats` is the counter the sources add their notes to (converted images), if shared."""
         if not sources:
             raise ValueError("no datasets to draw from")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, {world_size})")
         weights = [1.0] * len(sources) if weights is None else list(weights)
         if len(weights) != len(sources) or min(weights) <= 0:
             raise ValueError("need one positive weight per dataset")
-        for source in sources:
-            if len(source) < world_size:
-                raise ValueError(f"dataset {source.name} has {len(source)} rows, fewer than the {world_size} ranks")
         self.sources = sources
         self.probabilities = np.asarray(weights, dtype=np.float64) / sum(weights)
-        self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
         self.on_bad_sample = on_bad_sample
         self.check = check
         self.stats = Counter() if stats is None else stats
@@ -105,13 +99,11 @@ class SampleStream:
         self._orders = [self._epoch_order(k) for k in range(len(sources))]
 
     def _epoch_order(self, k: int) -> np.ndarray:
-        """This rank's row indices of dataset k for its current epoch."""
+        """Row indices of dataset k in its current epoch's order."""
         n = len(self.sources[k])
-        order = np.arange(n)
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, k, self.epochs[k]]).permutation(n)
-        usable = n - n % self.world_size
-        return order[self.rank : usable : self.world_size]
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, k, self.epochs[k]]).permutation(n)
 
     def _choose(self) -> int:
         if len(self.sources) == 1:
@@ -127,10 +119,13 @@ class SampleStream:
         self.positions[k] += 1
         return index
 
-    def take(self, n: int) -> list[Sample]:
+    def take(self, n: int, *, rank: int = 0, world_size: int = 1) -> list[Sample]:
+        """The next `n` samples; with `world_size` ranks, rank `rank`'s block of the next `n * world_size`."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
         batch = []
         misses = [0] * len(self.sources)  # consecutive bad draws per dataset
-        while len(batch) < n:
+        while len(batch) < n * world_size:
             k = self._choose()
             self.draws += 1
             index = self._next_index(k)
@@ -155,7 +150,7 @@ class SampleStream:
                 continue
             misses[k] = 0
             batch.append(sample)
-        return batch
+        return batch[rank * n : (rank + 1) * n]
 
     def metrics(self) -> dict[str, int]:
         """Counts so far, keyed for metrics.jsonl: `data/skipped_<reason>`, `data/images_converted_to_rgb`, ..."""
@@ -164,8 +159,7 @@ class SampleStream:
     def state_dict(self) -> dict:
         """Plain ints and strings: everything a resumed run needs to continue with the next sample."""
         return {
-            "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
-            "sizes": [len(s) for s in self.sources], "names": [s.name for s in self.sources],
+            "seed": self.seed, "sizes": [len(s) for s in self.sources], "names": [s.name for s in self.sources],
             "draws": self.draws, "epochs": list(self.epochs), "positions": list(self.positions),
             "bad": [{str(i): reason for i, reason in b.items()} for b in self.bad],
             "stats": dict(self.stats),
@@ -173,7 +167,7 @@ class SampleStream:
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("seed", "rank", "world_size", "sizes", "names"):
+        for key in ("seed", "sizes", "names"):
             if state[key] != mine[key]:
                 raise ValueError(f"data stream state has {key}={state[key]}, this stream has {mine[key]}")
         self.draws = state["draws"]

@@ -39,4 +39,6 @@ def make_engine(cfg, model_path, processor) -> RolloutEngine:
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         enforce_eager=cfg.rollout.enforce_eager,
         seed=cfg.train.seed,
+        tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        sleep_mode=cfg.rollout.sleep_mode,
     )

@@ -8,6 +8,7 @@ import tempfile
 import torch
 
 from opsd.prompts import Prompt
+from opsd.rollout.colocate import engine_kwargs, generate_in_group
 from opsd.rollout.engine import Completion, SamplingSettings
 
 
@@ -43,11 +44,17 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool = True,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        sleep_mode: bool = False,
     ):
         _set_env_defaults()
         from vllm import LLM
 
         _quiet_rotary_reload_warning()
+        # vLLM refuses sleep mode on CPU; on GPUs it frees the engine's memory while the trainer trains.
+        self.sleep_mode = sleep_mode and torch.cuda.is_available()
+        self._asleep: set[str] = set()
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -57,8 +64,26 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             seed=seed,
+            enable_sleep_mode=self.sleep_mode,
+            **engine_kwargs(tensor_parallel_size=tensor_parallel_size),
         )
         self.tokenizer = self.llm.get_tokenizer()
+
+    # Sleep mode (CUDA): asleep from the end of a rollout to the weight sync, so that training has the
+    # memory. Level 1 offloads the weights to host memory and drops the KV cache. The training
+    # allocator's cached blocks are returned to the driver before waking, or the wake-up can run out.
+    def _sleep(self) -> None:
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+            torch.cuda.empty_cache()
+
+    def _wake(self, *tags: str) -> None:
+        tags = [t for t in tags if t in self._asleep]
+        if tags:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=tags)
+            self._asleep -= set(tags)
 
     def _request(self, prompt: Prompt) -> dict:
         if prompt.images:
@@ -67,6 +92,15 @@ class VLLMEngine:
         return {"prompt_token_ids": self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]}
 
     def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
+        self._wake("weights", "kv_cache")  # after a skipped step there was no weight sync to wake it
+        if self.tensor_parallel_size > 1:
+            completions = generate_in_group(self._generate, prompts, sampling)
+        else:
+            completions = self._generate(prompts, sampling)
+        self._sleep()
+        return completions
+
+    def _generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams
 
         params = [
@@ -95,6 +129,7 @@ class VLLMEngine:
     # Weight updates run as one layerwise-reload session per optimizer step: separate reloads of
     # partial buckets would process a fused layer (qkv, gate_up) with half its shards loaded.
     def begin_weight_update(self) -> None:
+        self._wake("weights")
         self.llm.collective_rpc(_begin_reload)
 
     def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -103,6 +138,7 @@ class VLLMEngine:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(_finish_reload)
+        self._wake("kv_cache")
         # Cached KV blocks and image encodings were computed by the old weights. The scheduler
         # keeps its own record of cached encodings: without this reset the next request with a
         # known image fails with "Encoder cache miss".

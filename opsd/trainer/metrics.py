@@ -91,3 +91,15 @@ def format_line(record: dict) -> str:
         elif value is not None:
             parts.append(f"{key} {value}")
     return " | ".join(parts)
+
+
+class NullMetricsLogger:
+    """Stands in for `MetricsLogger` on the ranks other than rank 0, which log nothing."""
+
+    wandb_run_id = None
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

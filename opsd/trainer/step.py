@@ -13,6 +13,8 @@ from opsd.config import LossConfig
 from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
 from opsd.scoring import completion_logits
 from opsd.sequences import Example, collate
+from opsd.trainer.distributed import Ranks
+from opsd.trainer.fsdp import full_value, set_gradient_sync
 
 
 def autocast(device: torch.device, dtype: str):
@@ -80,6 +82,9 @@ def train_step(
     dtype: str,
     pad_id: int,
     on_scored: Callable[[list[Example], ScoredBatch], None] | None = None,
+    ranks: Ranks = Ranks(),
+    total_tokens: int | None = None,
+    padding: Example | None = None,
 ) -> dict:
     """Accumulate gradients over micro-batches of `examples`, then take one optimizer step.
 
@@ -87,26 +92,40 @@ def train_step(
     tokens, so every token weighs the same whatever micro-batch it lands in (a mean of per-batch
     means would overweight short completions). `on_scored(micro, scored)`, when given, sees each
     micro-batch's scores after its backward (the rollout dumps record per-token values there).
+
+    Under torchrun, `total_tokens` counts the completion tokens of all ranks (global token
+    normalisation) and the returned metrics are global. Every rank runs as many micro-steps as the
+    busiest one, filling up with the `padding` example at loss weight 0, so that all ranks join the
+    same FSDP collectives whatever they sampled; gradients are reduced on the last micro-step only.
     """
-    total_tokens = sum(len(e.completion_ids) for e in examples)
+    if total_tokens is None:
+        total_tokens = sum(len(e.completion_ids) for e in examples)
+    micro_batches = [examples[start : start + micro_batch_size] for start in range(0, len(examples), micro_batch_size)]
+    num_micro = int(ranks.max([len(micro_batches)])[0])
+    if len(micro_batches) < num_micro and padding is None:
+        raise ValueError("this rank has fewer micro-batches than another one and no padding example")
+    micro_batches += [[padding]] * (num_micro - len(micro_batches))
     sums = {"distill": 0.0, "ce": 0.0, "mismatch": 0.0}
     mismatch_max = 0.0
     student.train()
-    for start in range(0, len(examples), micro_batch_size):
-        micro = examples[start : start + micro_batch_size]
+    for index, micro in enumerate(micro_batches):
+        is_padding = micro[0] is padding
+        set_gradient_sync(student, index == num_micro - 1)
         scored = score_micro_batch(student, teacher, micro, loss_cfg=loss_cfg, dtype=dtype, pad_id=pad_id)
         distill, ce = scored.distill, -scored.student_logprobs
         loss = (loss_cfg.jsd_weight * distill + loss_cfg.ce_weight * ce).sum() / total_tokens
+        if is_padding:
+            loss = loss * 0.0  # joins the other ranks' collectives, adds nothing
         loss.backward()
-        if on_scored is not None:
-            on_scored(micro, scored)
-
-        # Same weights on both sides: a gap here means the engine did not get the last update.
-        mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
-        sums["distill"] += distill.detach().sum().item()
-        sums["ce"] += ce.detach().sum().item()
-        sums["mismatch"] += mismatch.sum().item()
-        mismatch_max = max(mismatch_max, mismatch.max().item())
+        if not is_padding:
+            if on_scored is not None:
+                on_scored(micro, scored)
+            # Same weights on both sides: a gap here means the engine did not get the last update.
+            mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
+            sums["distill"] += distill.detach().sum().item()
+            sums["ce"] += ce.detach().sum().item()
+            sums["mismatch"] += mismatch.sum().item()
+            mismatch_max = max(mismatch_max, mismatch.max().item())
         del scored, loss
 
     params = [p for p in student.parameters() if p.requires_grad]
@@ -114,14 +133,20 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    jsd, ce = sums["distill"] / total_tokens, sums["ce"] / total_tokens
-    return {
+    distill_sum, ce_sum, mismatch_sum, num_examples = ranks.sum(
+        [sums["distill"], sums["ce"], sums["mismatch"], len(examples)]
+    )
+    jsd, ce = distill_sum / total_tokens, ce_sum / total_tokens
+    metrics = {
         "loss": loss_cfg.jsd_weight * jsd + loss_cfg.ce_weight * ce,
         "jsd": jsd,
         "ce": ce,
-        "grad_norm": grad_norm.item(),
+        "grad_norm": full_value(grad_norm).item(),
         "completion_tokens": total_tokens,
-        "completion_len": total_tokens / len(examples),
-        "logprob_mismatch_max": mismatch_max,
-        "logprob_mismatch_mean": sums["mismatch"] / total_tokens,
+        "completion_len": total_tokens / num_examples,
+        "logprob_mismatch_max": ranks.max([mismatch_max])[0],
+        "logprob_mismatch_mean": mismatch_sum / total_tokens,
     }
+    if ranks.enabled:
+        metrics["logprob_mismatch_max_per_rank"] = ranks.gather(mismatch_max)
+    return metrics

@@ -1,0 +1,131 @@
+"""Time of one weight sync (`push_weights` into the in-process vLLM engine) against a plain memory copy.
+
+For Qwen2 models of growing size (built locally with random weights, float32, no downloads), a
+child process per size starts a `VLLMEngine` (KV cache bounded), loads the same model in
+transformers, and times `opsd.rollout.weight_sync.push_weights(model, engine)`: one layerwise-reload
+session, full tensors streamed in buckets of `--bucket-mb`. Beside it, the floor on the same machine:
+`torch.Tensor.copy_` of the same tensors into preallocated buffers (the same bytes, no engine).
+Both are the median of `--repeats` runs after one warm-up run.
+
+Run: .venv/bin/python bench/weight_sync.py [--sizes tiny small medium] [--bucket-mb 256] [--repeats 3]
+Prints one JSON object to stdout: per size, parameters, bytes, sync seconds and GB/s, copy seconds
+and GB/s, and `sync_over_copy` (how many times slower than the memory-copy floor the sync is).
+Single process: under torchrun each rank additionally all-gathers every tensor from its shards.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# hidden, layers, MLP width, attention heads (head_dim 64 or 32), KV heads, vocabulary
+SIZES = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
+    "small": dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2, vocab_size=8192),
+    "medium": dict(hidden_size=768, num_hidden_layers=12, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=4, vocab_size=16384),
+}
+
+
+def build_model(out: Path, shape: dict) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from opsd.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        **shape, head_dim=shape["hidden_size"] // shape["num_attention_heads"], max_position_embeddings=512,
+        tie_word_embeddings=False, use_sliding_window=False, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(size: str, bucket_mb: float, repeats: int) -> dict:
+    """Runs in the child process."""
+    from transformers import AutoModelForCausalLM
+
+    from opsd.rollout.vllm_engine import VLLMEngine
+    from opsd.rollout.weight_sync import push_weights
+
+    with tempfile.TemporaryDirectory(prefix="opsd-bench-") as tmp:
+        build_model(Path(tmp), SIZES[size])
+        engine = VLLMEngine(tmp, dtype="float32", max_model_len=512, kv_cache_memory_mb=64)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        stats = []
+        sync_s = median_seconds(lambda: stats.append(push_weights(model, engine, bucket_mb=bucket_mb)), repeats)
+        params = [p.detach() for p in model.parameters()]
+        buffers = [torch.empty_like(p) for p in params]
+
+        def copy():
+            for dst, src in zip(buffers, params):
+                dst.copy_(src)
+
+        copy_s = median_seconds(copy, repeats)
+        engine.close()
+    nbytes = stats[-1].bytes
+    return {
+        "size": size,
+        "parameters": sum(p.numel() for p in params),
+        "bytes": nbytes,
+        "buckets": stats[-1].buckets,
+        "tensors": stats[-1].tensors,
+        "sync_s": round(sync_s, 4),
+        "sync_gb_s": round(nbytes / sync_s / 1e9, 3),
+        "copy_s": round(copy_s, 5),
+        "copy_gb_s": round(nbytes / copy_s / 1e9, 3),
+        "sync_over_copy": round(sync_s / copy_s, 1),
+    }
+
+
+def _run_child(size: str, bucket_mb: float, repeats: int) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps([size, bucket_mb, repeats])],
+        capture_output=True, text=True, check=False,
+    )
+    if proc.returncode != 0:
+        return {"size": size, "error": proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(*json.loads(args.child))))
+        return
+    print(json.dumps({
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "dtype": "float32",
+        "bucket_mb": args.bucket_mb,
+        "repeats": args.repeats,
+        "results": [_run_child(size, args.bucket_mb, args.repeats) for size in args.sizes],
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

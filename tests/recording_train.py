@@ -1,0 +1,56 @@
+"""`python -m opsd.train` that also records, on every rank, what the weight sync pushed into its engine.
+
+Run as `python tests/recording_train.py --config ...` or under `torchrun`. After every sync, rank R
+writes `<output_dir>/pushed_rank{R}.safetensors` (the full tensors it pushed) and
+`<output_dir>/engine_rank{R}.json` (the engine's own parameter digests, when it has them); the last
+step's files remain. Used by tests/test_distributed_train.py.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+import opsd.train
+from opsd.config import load_config
+from opsd.rollout.weight_sync import push_weights
+
+
+class Recorder:
+    """Forwards a weight-sync session to the engine and keeps a copy of every tensor."""
+
+    def __init__(self, engine):
+        self.engine, self.tensors = engine, {}
+
+    def begin_weight_update(self):
+        self.engine.begin_weight_update()
+
+    def receive_weights(self, bucket):
+        self.tensors.update((name, t.detach().clone()) for name, t in bucket)
+        self.engine.receive_weights(bucket)
+
+    def end_weight_update(self):
+        self.engine.end_weight_update()
+
+
+def main(argv):
+    config_at = argv.index("--config")
+    cfg = load_config(argv[config_at + 1], argv[:config_at] + argv[config_at + 2 :])
+    out, rank = Path(cfg.logging.output_dir), int(os.environ.get("RANK", "0"))
+
+    def recording_push(model, engine, **kwargs):
+        recorder = Recorder(engine)
+        stats = push_weights(model, recorder, **kwargs)
+        save_file(recorder.tensors, out / f"pushed_rank{rank}.safetensors")
+        if hasattr(engine, "weight_checksums"):
+            (out / f"engine_rank{rank}.json").write_text(json.dumps(engine.weight_checksums()))
+        return stats
+
+    opsd.train.push_weights = recording_push
+    opsd.train.train(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

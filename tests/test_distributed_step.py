@@ -1,0 +1,126 @@
+"""The train step on two gloo ranks with FSDP2 equals one process training on the union of their examples.
+
+A rank may have fewer micro-batches than the other, or none at all (every completion empty or
+skipped): it pads with weight-0 micro-steps and must neither hang nor change the result. The loss is
+divided by the tokens of both ranks (global token normalisation), so the update equals the
+single-process one, gradient clipping included. Plain SGD keeps round-off differences of the
+gradients visible as such (Adam would scale them up to the learning rate).
+"""
+
+import copy
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from opsd.config import DistributedConfig, LossConfig, TeacherConfig
+from opsd.sequences import EncodedPrompt, Example, padding_example
+from opsd.teacher import update_teacher
+from opsd.trainer.step import train_step
+
+TEACHER = TeacherConfig(mode="ema", ema_decay=0.5)
+LOSS = LossConfig(top_k=16, ce_weight=0.5)
+# Per step: which of the step's examples each rank trains on (micro-batches of one example).
+SPLITS = [([0, 1, 2], []), ([0], [1, 2]), ([0, 1], [2])]
+
+
+def make_examples(step: int, vocab: int) -> list[Example]:
+    gen = torch.Generator().manual_seed(step)
+    examples = []
+    for i in range(3):
+        prompt = torch.randint(3, vocab, (6 + i,), generator=gen).tolist()
+        privileged = torch.randint(3, vocab, (4,), generator=gen).tolist()
+        completion = torch.randint(3, vocab, (3 + 2 * i,), generator=gen).tolist()
+        examples.append(Example(f"s{step}-{i}", EncodedPrompt(prompt), EncodedPrompt(privileged + prompt), completion, [0.0] * len(completion)))
+    return examples
+
+
+def load(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return student, copy.deepcopy(student).eval().requires_grad_(False)
+
+
+def run_steps(student, teacher, rank_examples, step_kwargs):
+    optimizer = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=0.5)
+    metrics = []
+    for step, examples in enumerate(rank_examples):
+        metrics.append(train_step(
+            student, teacher, examples, optimizer, loss_cfg=LOSS, micro_batch_size=1,
+            max_grad_norm=2.0, dtype="float32", pad_id=0, **step_kwargs(step),
+        ))
+        update_teacher(TEACHER, teacher, student)
+    return metrics
+
+
+MODES = {"fsdp": DistributedConfig(), "hsdp+checkpointing": DistributedConfig(shard_size=1, activation_checkpointing=True)}
+
+
+def _worker(rank, port, model_dir, out_dir):
+    from opsd.trainer.distributed import Ranks, build_mesh
+    from opsd.trainer.fsdp import shard_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for mode, cfg in MODES.items():
+        ranks = Ranks(rank, 2, rank, torch.device("cpu"), build_mesh(cfg, torch.device("cpu"), 2))
+        student, teacher = load(model_dir)
+        shard_model(student, ranks, cfg, trainable=True)
+        shard_model(teacher, ranks, cfg, trainable=False)
+        steps = [make_examples(step, student.config.vocab_size) for step in range(len(SPLITS))]
+        mine = [[examples[i] for i in SPLITS[step][rank]] for step, examples in enumerate(steps)]
+
+        def step_kwargs(step):
+            tokens = sum(len(steps[step][i].completion_ids) for i in SPLITS[step][0] + SPLITS[step][1])
+            pad = padding_example(steps[step][0].student, steps[step][0].teacher, token_id=1)
+            return dict(ranks=ranks, total_tokens=tokens, padding=pad)
+
+        metrics = run_steps(student, teacher, mine, step_kwargs)
+        full = {f"student.{n}": p.detach().full_tensor() for n, p in student.named_parameters()}
+        full |= {f"teacher.{n}": p.detach().full_tensor() for n, p in teacher.named_parameters()}
+        local = {n: p.detach().to_local().clone() for n, p in student.named_parameters()}
+        torch.save((metrics, full, local), f"{out_dir}/{mode}-rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_with_uneven_and_empty_shares_match_one_process(tmp_path, tiny_text_dir):
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tiny_text_dir), str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 240
+    for p in procs:  # a rank waiting in a collective the other never joins shows up as a timeout
+        p.join(timeout=max(1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "a rank crashed or hung"
+
+    student, teacher = load(tiny_text_dir)
+    steps = [make_examples(step, student.config.vocab_size) for step in range(len(SPLITS))]
+    reference = run_steps(student, teacher, steps, lambda step: {})
+    expected = {f"student.{n}": p.detach() for n, p in student.named_parameters()}
+    expected |= {f"teacher.{n}": p for n, p in teacher.named_parameters()}
+
+    for mode in MODES:
+        got = [torch.load(tmp_path / f"{mode}-rank{r}.pt") for r in (0, 1)]
+        for metrics, full, _ in got:
+            for m, ref in zip(metrics, reference):
+                for key in ("loss", "jsd", "ce", "grad_norm", "completion_tokens", "completion_len", "logprob_mismatch_mean"):
+                    assert m[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), (mode, key)
+            for name, value in expected.items():
+                torch.testing.assert_close(full[name], value, atol=1e-6, rtol=1e-5, msg=f"{mode}: {name}")
+    # Hybrid sharding with shards of one rank: each rank holds a replica, kept identical by the all-reduce.
+    replicas = [torch.load(tmp_path / f"hsdp+checkpointing-rank{r}.pt")[2] for r in (0, 1)]
+    for name, value in replicas[0].items():
+        assert torch.equal(value, replicas[1][name]), name
