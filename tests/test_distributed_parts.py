@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from opsd.config import ConfigError, DistributedConfig, load_config
-from opsd.data.stream import SampleStream
+from opsd.data.stream import SampleList, SampleStream
 from opsd.data.synthetic import generate_samples
 from opsd.rollout.colocate import engine_kwargs
 from opsd.trainer.distributed import Ranks, build_mesh
@@ -38,13 +38,13 @@ def test_engine_arguments_follow_the_launch(monkeypatch):
 
 def test_ranks_take_distinct_blocks_of_the_global_batch():
     samples = generate_samples(10, seed=0, image_size=56)
-    single = SampleStream(samples, seed=3)
-    per_rank = [SampleStream(samples, seed=3) for _ in range(3)]
+    single = SampleStream([SampleList(samples)], seed=3)
+    per_rank = [SampleStream([SampleList(samples)], seed=3) for _ in range(3)]
     for _ in range(4):  # crosses epoch boundaries: 4 steps x 3 ranks x 2 prompts > 10 samples
         expected = [s.id for s in single.take(6)]
         got = [s.id for rank, stream in enumerate(per_rank) for s in stream.take(2, rank=rank, world_size=3)]
         assert got == expected
-    assert len({s.state_dict()["position"] for s in per_rank + [single]}) == 1
+    assert all(s.state_dict() == single.state_dict() for s in per_rank)
 
 
 def test_single_process_collectives_return_their_input():
