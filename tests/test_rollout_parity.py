@@ -101,3 +101,21 @@ def test_vllm_update_changes_engine_weights(tiny_vlm_dir):
         assert any("embed_tokens" in k for k in changed) and any("norm" in k for k in changed)
     finally:
         engine.close()
+
+
+@pytest.mark.vllm
+def test_vllm_seeded_sampling_of_a_batch_larger_than_one_prefill_step(tiny_text_dir):
+    """vLLM 0.32 on CPU crashes when a seeded request's prefill is split across scheduler steps
+    ("CPU Generator does not use offset"); the engine's token budget keeps the prefill in one step."""
+    from opsd.prompts import Prompt
+    from opsd.rollout.vllm_engine import VLLMEngine
+
+    words = " ".join(["step path maze grid answer think"] * 20)
+    prompts = [Prompt(f"<|im_start|>user\n{i} {words}<|im_end|>\n<|im_start|>assistant\n", []) for i in range(40)]
+    engine = VLLMEngine(str(tiny_text_dir), dtype="float32", max_model_len=1024)
+    try:
+        assert sum(len(engine.tokenizer(p.text)["input_ids"]) for p in prompts) > 4096  # vLLM's default budget
+        completions = engine.generate(prompts, SamplingSettings(max_new_tokens=4, seed=1))
+        assert len(completions) == 40 and all(c.token_ids for c in completions)
+    finally:
+        engine.close()

@@ -32,6 +32,16 @@ def _quiet_rotary_reload_warning() -> None:
     )
 
 
+# On CPU, vLLM 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+# split across scheduler steps: it rewinds the generator offset, which only CUDA generators have.
+# A large per-step token budget keeps a rollout batch's prefills in one step.
+CPU_MAX_BATCHED_TOKENS = 65536
+
+
+def _cpu_scheduler_kwargs() -> dict:
+    return {} if torch.cuda.is_available() else {"max_num_batched_tokens": CPU_MAX_BATCHED_TOKENS}
+
+
 class VLLMEngine:
     def __init__(
         self,
@@ -65,6 +75,7 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             seed=seed,
             enable_sleep_mode=self.sleep_mode,
+            **_cpu_scheduler_kwargs(),
             **engine_kwargs(tensor_parallel_size=tensor_parallel_size),
         )
         self.tokenizer = self.llm.get_tokenizer()
