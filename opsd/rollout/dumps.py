@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from opsd.config import Config, PromptConfig
+from opsd import eval as eval_answers
+from opsd.config import Config, EvalConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.loss import token_logprobs
 from opsd.prompts import student_prompt, teacher_prompt
@@ -45,26 +45,21 @@ from opsd.trainer.step import ScoredBatch
 
 ROLLOUTS_SUBDIR = "rollouts"
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# Dumps judge answers the way evaluation does (opsd/eval.py), with the default `<answer>` pattern.
+_ANSWER_PATTERN = EvalConfig.answer_pattern
 
 
 def extract_answer(text: str) -> str | None:
     """The content of the last `<answer>...</answer>` in `text`, stripped; None without one."""
-    found = _ANSWER_TAG.findall(text)
-    return found[-1].strip() if found else None
-
-
-def normalise_answer(text: str) -> str:
-    """Case, surrounding whitespace, inner runs of spaces and a final period do not count."""
-    return " ".join(text.strip().rstrip(".").lower().split())
+    found = eval_answers.extract_answer(text, _ANSWER_PATTERN)
+    return found.strip() if found is not None else None
 
 
 def answer_is_correct(completion_text: str, answer: str | None) -> bool | None:
     """None when the answer is unknown; False when the completion gives no `<answer>`."""
     if answer is None:
         return None
-    predicted = extract_answer(completion_text)
-    return predicted is not None and normalise_answer(predicted) == normalise_answer(answer)
+    return eval_answers.is_correct(completion_text, answer, _ANSWER_PATTERN)
 
 
 @dataclass
