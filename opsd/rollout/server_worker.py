@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from opsd.rollout.vllm_engine import _begin_reload, _finish_reload, _load_bucket
+from opsd.rollout.vllm_engine import begin_reload, finish_reload, load_bucket
 
 
 class WeightSyncExtension:
@@ -22,12 +22,12 @@ class WeightSyncExtension:
         return "ok"
 
     def opsd_begin_weight_update(self) -> None:
-        _begin_reload(self)
+        begin_reload(self)
 
     def opsd_load_weights_file(self, path: str) -> int:
         bucket = list(load_file(path).items())
-        _load_bucket(self, bucket)
+        load_bucket(self, bucket)
         return len(bucket)
 
     def opsd_finish_weight_update(self) -> None:
-        _finish_reload(self)
+        finish_reload(self)

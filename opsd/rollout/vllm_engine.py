@@ -141,14 +141,14 @@ class VLLMEngine:
     # partial buckets would process a fused layer (qkv, gate_up) with half its shards loaded.
     def begin_weight_update(self) -> None:
         self._wake("weights")
-        self.llm.collective_rpc(_begin_reload)
+        self.llm.collective_rpc(begin_reload)
 
     def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         # In-process, the worker takes the tensors themselves (no serialisation).
-        self.llm.collective_rpc(_load_bucket, args=(bucket,))
+        self.llm.collective_rpc(load_bucket, args=(bucket,))
 
     def end_weight_update(self) -> None:
-        self.llm.collective_rpc(_finish_reload)
+        self.llm.collective_rpc(finish_reload)
         self._wake("kv_cache")
         # Cached KV blocks and image encodings were computed by the old weights. The scheduler
         # keeps its own record of cached encodings: without this reset the next request with a
@@ -169,7 +169,7 @@ class VLLMEngine:
 
 
 # Run inside the vLLM worker (in-process `collective_rpc` passes callables and tensors as they are).
-def _begin_reload(worker) -> None:
+def begin_reload(worker) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
@@ -177,14 +177,14 @@ def _begin_reload(worker) -> None:
         initialize_layerwise_reload(worker.model_runner.get_model())
 
 
-def _load_bucket(worker, bucket) -> None:
+def load_bucket(worker, bucket) -> None:
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config):
         worker.model_runner.get_model().load_weights(iter(bucket))
 
 
-def _finish_reload(worker) -> None:
+def finish_reload(worker) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
