@@ -28,6 +28,37 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""
 
 
+LORA_RANKS_VLLM = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""Ranks a vLLM engine can be sized for (`max_lora_rank`); an adapter of smaller rank fits the next one up."""
+
+
+@dataclass(config=_STRICT)
+class LoraConfig:
+    """Train a LoRA adapter (built with `peft`) instead of the full weights (see README, LoRA)."""
+
+    rank: Annotated[int, Field(gt=0, le=512)] = 16
+    alpha: Positive = 32
+    """Scale of the update: W + (alpha / rank) * B @ A."""
+    dropout: Probability = 0.0
+    """Dropout on the adapter's input while training. Above 0 the trainer's scores are noisy, and so
+    is `logprob_mismatch_*` (the engine never drops)."""
+    target_modules: list[str] = dataclasses.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names (last component) of the language model's linear layers that get an adapter."""
+    vision_target_modules: list[str] = dataclasses.field(default_factory=list)
+    """The same for the vision tower and connector of a vision-language model (e.g. `[q_proj, fc1]`);
+    empty = frozen. Needs `rollout.lora_sync: merged`."""
+
+    @field_validator("target_modules", "vision_target_modules")
+    @classmethod
+    def _module_names(cls, names: list[str]) -> list[str]:
+        bad = [n for n in names if not re.fullmatch(r"[A-Za-z_][\w]*", n)]
+        if bad:
+            raise ValueError(f"{bad} are not module names (the last part of a layer's name, e.g. q_proj)")
+        return names
+
+
 @dataclass(config=_STRICT)
 class ModelConfig:
     path: str
@@ -38,6 +69,8 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter, base weights frozen; None (default) = train all weights."""
 
 
 @dataclass(config=_STRICT)
@@ -198,6 +231,11 @@ class RolloutConfig:
     tensor_parallel_size: Annotated[int, Field(gt=0)] = 1
     """Under torchrun: ranks per vLLM engine (consecutive ranks share one tensor-parallel engine, vLLM's
     external launcher); 1 = one engine per rank. GPU only in practice."""
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """With `model.lora`: `adapter` sends the engine only the adapter after each step (vLLM serves the
+    base model with LoRA enabled, a new adapter id per step); `merged` pushes W + scale * B @ A of every
+    adapted layer, and the other weights, as full tensors (any engine; what `hf`, `server` and custom
+    engines without `receive_adapter` need)."""
     sleep_mode: bool = True
     """On CUDA: the vLLM engine sleeps while the trainer trains (weights offloaded, KV cache freed) and
     wakes for the weight sync. Ignored on CPU, where vLLM has no sleep mode."""
@@ -230,8 +268,11 @@ class LossConfig:
 
 @dataclass(config=_STRICT)
 class TeacherConfig:
-    mode: Literal["self", "ema", "fixed"] = "self"
-    """`self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen initial copy."""
+    mode: Literal["self", "ema", "fixed", "base"] = "self"
+    """`self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen initial copy; `base`:
+    the initial weights. With `model.lora`, `base` is the student with its adapter switched off (no
+    copy) and `ema` is a second adapter holding the EMA of the adapter's weights (no model copy);
+    without LoRA, `base` is the same as `fixed`."""
     ema_decay: Probability = 0.995
 
 
@@ -377,6 +418,14 @@ class Config:
         if self.distributed.param_dtype == "bfloat16" and self.model.dtype != "bfloat16":
             # FSDP casts the parameters only; bfloat16 autocast casts the inputs (pixel values) to match.
             raise ValueError("distributed.param_dtype=bfloat16 needs model.dtype=bfloat16")
+        lora = self.model.lora
+        if lora is not None and self.rollout.lora_sync == "adapter":
+            if self.rollout.engine != "vllm" and self.rollout.engine in BUILTIN_ENGINES:
+                raise ValueError(f"rollout.lora_sync=adapter needs rollout.engine=vllm (the {self.rollout.engine} "
+                                 "engine takes full weights): set rollout.lora_sync=merged")
+            if lora.vision_target_modules:
+                raise ValueError("model.lora.vision_target_modules: adapters on the vision tower are synced merged "
+                                 "only; set rollout.lora_sync=merged")
         return self
 
 

@@ -1,4 +1,5 @@
-"""The privileged teacher: the live student (`self`), an EMA of it (`ema`) or a frozen copy (`fixed`)."""
+"""The privileged teacher: the live student (`self`), an EMA of it (`ema`), a frozen copy (`fixed`), or
+the initial weights (`base`). With LoRA, `base` and `ema` are adapters of the student, not copies."""
 
 from __future__ import annotations
 
@@ -7,26 +8,59 @@ import copy
 import torch
 from torch import nn
 
+from opsd import lora
 from opsd.config import TeacherConfig
+from opsd.scoring import completion_logits
 
 
-def make_teacher(cfg: TeacherConfig, student: nn.Module) -> nn.Module:
-    """The module that scores teacher prompts; `self` shares the student's weights."""
+class AdapterTeacher:
+    """The LoRA student scoring with another adapter switched in (`ema`) or with none (`base`).
+
+    Scoring dispatches to `opsd_completion_logits` (opsd/scoring.py), so it takes this object where it
+    takes a model; the weights are the student's, nothing is copied.
+    """
+
+    def __init__(self, student: nn.Module, adapter: str | None):
+        self.student, self.adapter = student, adapter
+
+    def opsd_completion_logits(self, batch) -> torch.Tensor:
+        with lora.active_adapter(self.student, self.adapter):
+            return completion_logits(self.student, batch)
+
+    def parameters(self):
+        return self.student.parameters()
+
+
+def make_teacher(cfg: TeacherConfig, student: nn.Module):
+    """What scores teacher prompts; `self` is the student itself."""
     if cfg.mode == "self":
         return student
-    teacher = copy.deepcopy(student)
+    if lora.is_lora(student) and cfg.mode in ("base", "ema"):
+        return AdapterTeacher(student, None if cfg.mode == "base" else lora.EMA_ADAPTER)
+    teacher = copy.deepcopy(student)  # `fixed`, and `base` without LoRA: the initial weights
     return teacher.eval().requires_grad_(False)
 
 
+def module_of(teacher, student: nn.Module) -> nn.Module:
+    """The module holding the teacher's weights: the student itself for adapter teachers."""
+    return student if isinstance(teacher, AdapterTeacher) else teacher
+
+
 @torch.no_grad()
-def update_teacher(cfg: TeacherConfig, teacher: nn.Module, student: nn.Module) -> None:
+def update_teacher(cfg: TeacherConfig, teacher, student: nn.Module) -> None:
     """After each optimizer step: EMA teachers move toward the student; the others stay."""
     if cfg.mode != "ema":
         return
-    # Sharded (FSDP) models are updated shard by shard: both are sharded alike, so local shards
-    # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU.
-    teacher_params = [_local(p) for p in teacher.parameters()]
-    student_params = [_local(p.detach()).to(t.device) for p, t in zip(student.parameters(), teacher_params)]
+    if isinstance(teacher, AdapterTeacher):  # the EMA adapter toward the student's adapter
+        teacher_params = lora.adapter_parameters(student, lora.EMA_ADAPTER)
+        student_params = lora.adapter_parameters(student)
+        teacher_params = [_local(teacher_params[name]) for name in student_params]
+        student_params = [_local(p.detach()) for p in student_params.values()]
+    else:
+        # Sharded (FSDP) models are updated shard by shard: both are sharded alike, so local shards
+        # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU.
+        teacher_params = [_local(p) for p in teacher.parameters()]
+        student_params = [_local(p.detach()).to(t.device) for p, t in zip(student.parameters(), teacher_params)]
     torch._foreach_lerp_(teacher_params, student_params, 1.0 - cfg.ema_decay)
 
 

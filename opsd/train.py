@@ -30,9 +30,10 @@ from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout import SamplingSettings, make_engine
 from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
-from opsd.rollout.weight_sync import push_weights
+from opsd.lora import add_lora
+from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.sequences import build_sample_examples, encode_prompt, padding_example
-from opsd.teacher import make_teacher, update_teacher
+from opsd.teacher import AdapterTeacher, make_teacher, module_of, update_teacher
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.device import seed_everything
@@ -72,6 +73,8 @@ def train(cfg: Config) -> Path:
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
     # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
     student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else device)
+    if cfg.model.lora:
+        student = add_lora(student, cfg.model.lora, ema=cfg.teacher.mode == "ema")
     teacher = make_teacher(cfg.teacher, student)
     if ranks.enabled:
         student, teacher = shard_models(cfg, ranks, student, teacher)
@@ -82,11 +85,14 @@ def train(cfg: Config) -> Path:
                       resume_step=checkpoints.resume_step, wandb_run_id=checkpoints.saved_wandb_run_id)
         if ranks.is_main else NullMetricsLogger()
     )
-    parts = TrainingParts(student, teacher, cfg.teacher.mode, optimizer, scheduler, processor, stream)
+    parts = TrainingParts(student, module_of(teacher, student), cfg.teacher.mode, optimizer, scheduler, processor, stream)
     start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
     # Start on-policy: the engine was built from model.path (or is a long-lived server holding other
     # weights), while the student may come from a checkpoint.
-    push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+    lora_sync = cfg.rollout.lora_sync
+    if cfg.model.lora and lora_sync == "adapter":
+        check_adapter_receiver(engine)
+    sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=lora_sync)
     checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
     prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
 
@@ -138,7 +144,7 @@ def train(cfg: Config) -> Path:
         # 4. Push the new weights into the engine so the next rollouts are on-policy. Every rank takes
         #    part in gathering each full tensor from the shards and pushes it into its own engine.
         t2 = time.perf_counter()
-        sync = push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+        sync = sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=lora_sync)
 
         if recorder:
             recorder.write(output_dir / ROLLOUTS_SUBDIR, step, examples, samples, processor, cfg.prompts)
@@ -163,6 +169,8 @@ def shard_models(cfg: Config, ranks: Ranks, student, teacher):
     sharded = shard_model(student, ranks, cfg.distributed, trainable=True)
     if teacher is student:
         return sharded, sharded
+    if isinstance(teacher, AdapterTeacher):  # the student's own weights, sharded in place with it
+        return sharded, teacher
     return sharded, shard_model(teacher, ranks, cfg.distributed, trainable=False)
 
 
@@ -181,6 +189,7 @@ def describe_plan(cfg: Config) -> str:
         f"({t.grad_accum_steps} micro-steps of {t.prompts_per_micro_step * r.samples_per_prompt} sequences)",
         f"  model {cfg.model.path} ({cfg.model.dtype}{', built if missing: ' + cfg.model.build if cfg.model.build else ''})",
         f"  rollout engine {r.engine}: up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}",
+        f"  {describe_lora(cfg)}",
         f"  teacher {cfg.teacher.mode}; privileged {'+'.join(cfg.prompts.privileged)}"
         f"{' (noise ablation)' if cfg.prompts.noise_privileged_images else ''}",
         f"  loss {cfg.loss.kind}: jsd x{cfg.loss.jsd_weight} + ce x{cfg.loss.ce_weight}, beta={cfg.loss.beta}, "
@@ -196,6 +205,15 @@ def describe_plan(cfg: Config) -> str:
         f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
         f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
     ])
+
+
+def describe_lora(cfg: Config) -> str:
+    lora = cfg.model.lora
+    if lora is None:
+        return "training all weights"
+    vision = f" + vision {'/'.join(lora.vision_target_modules)}" if lora.vision_target_modules else ""
+    return (f"LoRA r={lora.rank} alpha={lora.alpha} dropout={lora.dropout} on {'/'.join(lora.target_modules)}{vision}; "
+            f"engine sync: {cfg.rollout.lora_sync}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -41,4 +41,5 @@ def make_engine(cfg, model_path, processor) -> RolloutEngine:
         seed=cfg.train.seed,
         tensor_parallel_size=cfg.rollout.tensor_parallel_size,
         sleep_mode=cfg.rollout.sleep_mode,
+        max_lora_rank=cfg.model.lora.rank if cfg.model.lora and cfg.rollout.lora_sync == "adapter" else None,
     )

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
+from pathlib import Path
+
 import torch
 
 from opsd.prompts import Prompt
@@ -42,6 +45,19 @@ def _cpu_scheduler_kwargs() -> dict:
     return {} if torch.cuda.is_available() else {"max_num_batched_tokens": CPU_MAX_BATCHED_TOKENS}
 
 
+def _lora_kwargs(max_lora_rank: int | None) -> dict:
+    if not max_lora_rank:
+        return {}
+    from opsd.lora import vllm_max_lora_rank
+
+    # One adapter at a time: each weight sync brings a new one and retires the last.
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(max_lora_rank), "max_loras": 1, "max_cpu_loras": 1}
+
+
+def _shm_or_tmp() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 class VLLMEngine:
     def __init__(
         self,
@@ -56,7 +72,9 @@ class VLLMEngine:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         sleep_mode: bool = False,
+        max_lora_rank: int | None = None,
     ):
+        """`max_lora_rank`: serve LoRA adapters up to this rank (one at a time, see `receive_adapter`)."""
         _set_env_defaults()
         from vllm import LLM
 
@@ -75,10 +93,13 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             seed=seed,
             enable_sleep_mode=self.sleep_mode,
+            **_lora_kwargs(max_lora_rank),
             **_cpu_scheduler_kwargs(),
             **engine_kwargs(tensor_parallel_size=tensor_parallel_size),
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self._lora_request = None  # the adapter every request names, once one was received
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="opsd-adapters-", dir=_shm_or_tmp())) if max_lora_rank else None
 
     # Sleep mode (CUDA): asleep from the end of a rollout to the weight sync, so that training has the
     # memory. Level 1 offloads the weights to host memory and drops the KV cache. The training
@@ -128,7 +149,9 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate([self._request(p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate(
+            [self._request(p) for p in prompts], params, use_tqdm=False, lora_request=self._lora_request
+        )
         completions = []
         for i, out in enumerate(outputs):
             for sample in out.outputs:
@@ -157,6 +180,27 @@ class VLLMEngine:
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_mm_cache()
 
+    def receive_adapter(self, update) -> None:
+        """Serve a new LoRA adapter (an `opsd.lora.AdapterUpdate`): written as a PEFT directory (in
+        /dev/shm where there is one) and named by the next requests under a new adapter id; the
+        previous adapter leaves the engine. Only the adapter's bytes move, the base weights stay."""
+        from vllm.lora.request import LoRARequest
+
+        from opsd.lora import write_adapter_dir
+
+        if self._adapter_root is None:
+            raise RuntimeError("this VLLMEngine was built without LoRA (max_lora_rank=None)")
+        previous = self._lora_request
+        adapter_id = previous.lora_int_id + 1 if previous else 1
+        path = self._adapter_root / f"adapter-{adapter_id}"
+        write_adapter_dir(path, update.tensors, update.config)
+        self._lora_request = LoRARequest(f"opsd-{adapter_id}", adapter_id, str(path))
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        # Load it now rather than at the first request naming it: a bad adapter fails here, in the sync.
+        self.llm.llm_engine.add_lora(self._lora_request)
+
     def weight_checksums(self) -> dict[str, str]:
         """Digest of every engine parameter; lets tests and the demo see that a sync landed."""
         return self.llm.collective_rpc("compute_weight_checksums")[0]
@@ -166,6 +210,8 @@ class VLLMEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
         del self.llm
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
 
 
 # Run inside the vLLM worker (in-process `collective_rpc` passes callables and tensors as they are).

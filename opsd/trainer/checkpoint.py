@@ -2,9 +2,11 @@
 
 `<output_dir>/checkpoint-{step}/` holds:
 
-    model/                 the student as a Hugging Face directory (safetensors, config, processor)
+    model/                 the student as a Hugging Face directory (safetensors, config, processor);
+                           with LoRA its adapter as a PEFT directory (+ processor)
     teacher/               the EMA teacher the same way (teacher.mode=ema only)
-    train_state/           torch.distributed.checkpoint: model, optimizer, scheduler (+ teacher)
+    train_state/           torch.distributed.checkpoint: model, optimizer, scheduler (+ teacher);
+                           with LoRA only the trainable (adapter) weights and the EMA adapter
     rng/rank-{r}.pt        each rank's RNG states
     trainer_state.json     step, config, data position, best metric, counters, wandb run id
     opsd_checkpoint.json   manifest, written last: model fingerprint, every file with its size
@@ -45,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from opsd import lora
 from opsd.trainer.rng import rng_state
 
 FORMAT_VERSION = 1
@@ -177,17 +180,31 @@ def model_fingerprint(model: nn.Module) -> dict:
     }
 
 
+def _state_options(model: nn.Module) -> StateDictOptions:
+    # A LoRA run's frozen base weights are model.path's: saving them would only cost time and disk.
+    return StateDictOptions(ignore_frozen_params=lora.is_lora(model))
+
+
 def _train_state(parts: TrainingParts) -> dict:
     """The `torch.distributed.checkpoint` state: sharded or plain, whatever the modules are."""
-    model_state, optim_state = get_state_dict(parts.student, parts.optimizer)
+    model_state, optim_state = get_state_dict(parts.student, parts.optimizer, options=_state_options(parts.student))
     state = {"model": model_state, "optimizer": optim_state, "scheduler": parts.scheduler.state_dict()}
     if parts.separate_teacher:
         state["teacher"] = get_model_state_dict(parts.teacher)
+    elif parts.teacher_mode == "ema" and lora.is_lora(parts.student):
+        # The EMA adapter's own tensors under the student adapter's names (loaded in place).
+        state["teacher"] = {k: p.detach() for k, p in lora.adapter_parameters(parts.student, lora.EMA_ADAPTER).items()}
     return state
 
 
-def _save_hf_dir(model: nn.Module, processor, path: Path) -> None:
-    """A `from_pretrained` / `vllm.LLM` directory; the full weights are gathered onto rank 0."""
+def _save_hf_dir(model: nn.Module, processor, path: Path, *, adapter: str = lora.STUDENT_ADAPTER) -> None:
+    """A `from_pretrained` / `vllm.LLM` directory (a LoRA model: its `adapter` as a PEFT directory);
+    the full weights are gathered onto rank 0."""
+    if lora.is_lora(model):
+        lora.save_adapter(model, path, adapter=adapter, write=_rank() == 0)
+        if _rank() == 0:
+            processor.save_pretrained(path)
+        return
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=_distributed()))
     if _rank() == 0:
         model.save_pretrained(path, state_dict=full)
@@ -243,7 +260,7 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
 
     _save_hf_dir(parts.student, parts.processor, tmp / MODEL_DIR)
     if parts.teacher_mode == "ema":
-        _save_hf_dir(parts.teacher, parts.processor, tmp / TEACHER_DIR)
+        _save_hf_dir(parts.teacher, parts.processor, tmp / TEACHER_DIR, adapter=lora.EMA_ADAPTER)
     _fault_point("model", step)
     with _single_process_quietly():
         dcp.save(_train_state(parts), checkpoint_id=tmp / TRAIN_STATE_DIR)
@@ -351,9 +368,10 @@ def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = Fa
         if from_ema and saved_mode != "ema":
             raise CheckpointError(f"checkpoint {path} has no EMA weights: it was written with teacher.mode={saved_mode}")
         key = "teacher" if from_ema else "model"
-        state = {key: get_model_state_dict(parts.student)}
+        options = _state_options(parts.student)
+        state = {key: get_model_state_dict(parts.student, options=options)}
         _dcp_load(state, path)
-        set_model_state_dict(parts.student, state[key])
+        set_model_state_dict(parts.student, state[key], options=options)
         return manifest
     if saved_mode != parts.teacher_mode:
         raise CheckpointError(
@@ -361,7 +379,8 @@ def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = Fa
         )
     state = _train_state(parts)
     _dcp_load(state, path)
-    set_state_dict(parts.student, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(parts.student, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=_state_options(parts.student))
     if parts.separate_teacher:
         set_model_state_dict(parts.teacher, state["teacher"])
     parts.scheduler.load_state_dict(state["scheduler"])
