@@ -24,7 +24,7 @@ from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
-from opsd.config import LORA_RANKS_VLLM, LoraConfig
+from opsd.config import LORA_RANKS_VLLM, ConfigError, LoraConfig
 
 STUDENT_ADAPTER, EMA_ADAPTER = "default", "ema"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -56,14 +56,16 @@ def target_pattern(model: torch.nn.Module, cfg: LoraConfig) -> str:
 def add_lora(model: torch.nn.Module, cfg: LoraConfig, *, ema: bool = False) -> torch.nn.Module:
     """Inject a trainable adapter (and, with `ema`, a frozen copy of it named `ema`) into `model`; the
     base weights freeze. Returns the same module."""
+    pattern = target_pattern(model, cfg)
+    if not any(re.fullmatch(pattern, name) for name, _ in model.named_modules()):
+        raise ConfigError(f"model.lora.target_modules: no layer of the model is named {cfg.target_modules} "
+                         f"(e.g. {[n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]})")
     peft_config = PeftLoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_pattern(model, cfg),
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern,
         base_model_name_or_path=_base_model_path(model),
     )
     peft_model = get_peft_model(model, peft_config)  # freezes everything but the default adapter
     inner = peft_model.base_model.model
-    if not any(isinstance(m, LoraLayer) for m in inner.modules()):
-        raise ValueError(f"model.lora.target_modules: no layer of the model matches {cfg.target_modules}")
     if ema:
         peft_model.add_adapter(EMA_ADAPTER, peft_config)
         for param in adapter_parameters(inner, EMA_ADAPTER).values():
