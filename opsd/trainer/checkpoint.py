@@ -182,7 +182,11 @@ def model_fingerprint(model: nn.Module) -> dict:
 
 def _state_options(model: nn.Module) -> StateDictOptions:
     # A LoRA run's frozen base weights are model.path's: saving them would only cost time and disk.
-    return StateDictOptions(ignore_frozen_params=lora.is_lora(model))
+    # Loading then cannot be strict about them; the trainable ones are still all required, since
+    # the state DCP fills is built from exactly those and DCP refuses keys the checkpoint lacks.
+    if lora.is_lora(model):
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return StateDictOptions()
 
 
 def _train_state(parts: TrainingParts) -> dict:
