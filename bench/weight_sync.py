@@ -7,7 +7,14 @@ session, full tensors streamed in buckets of `--bucket-mb`. Beside it, the floor
 `torch.Tensor.copy_` of the same tensors into preallocated buffers (the same bytes, no engine).
 Both are the median of `--repeats` runs after one warm-up run.
 
+With `--lora`, LoRA rows on SmolLM2-135M-Instruct (converted into `--smollm2-dir` when missing):
+a child process per sync kind times `opsd.rollout.weight_sync.sync_student` of the same model,
+`full` (a full-weight student into a plain engine), `merged` (a LoRA student, W + scale * B @ A
+pushed as full tensors into a plain engine) and `adapter` (the adapter alone into an engine with LoRA
+enabled, written as a PEFT directory and loaded by the engine), with `adapter_over_full_bytes`.
+
 Run: .venv/bin/python bench/weight_sync.py [--sizes tiny small medium] [--bucket-mb 256] [--repeats 3]
+     .venv/bin/python bench/weight_sync.py --sizes --lora [--lora-rank 16]   # LoRA rows only
 Prints one JSON object to stdout: per size, parameters, bytes, sync seconds and GB/s, copy seconds
 and GB/s, and `sync_over_copy` (how many times slower than the memory-copy floor the sync is).
 Single process: under torchrun each rank additionally all-gathers every tensor from its shards.
@@ -97,25 +104,64 @@ def measure(size: str, bucket_mb: float, repeats: int) -> dict:
     }
 
 
-def _run_child(size: str, bucket_mb: float, repeats: int) -> dict:
+def measure_lora(sync: str, model_dir: str, rank: int, bucket_mb: float, repeats: int) -> dict:
+    """Runs in the child process: one sync kind on SmolLM2 (`full`, `merged` or `adapter`)."""
+    from transformers import AutoModelForCausalLM
+
+    from opsd import lora
+    from opsd.config import LoraConfig
+    from opsd.rollout.vllm_engine import VLLMEngine
+    from opsd.rollout.weight_sync import sync_student
+
+    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=512, kv_cache_memory_mb=64,
+                        max_lora_rank=rank if sync == "adapter" else None)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if sync != "full":
+        model = lora.add_lora(model, LoraConfig(rank=rank, alpha=2 * rank))
+        with torch.no_grad():  # B starts at zero; a trained adapter is not
+            for param in lora.adapter_parameters(model).values():
+                param.normal_(0, 0.01)
+    stats = []
+    sync_s = median_seconds(lambda: stats.append(sync_student(model, engine, bucket_mb=bucket_mb, lora_sync=sync)), repeats)
+    engine.close()
+    return {"sync": sync, "bytes": stats[-1].bytes, "tensors": stats[-1].tensors, "sync_s": round(sync_s, 4)}
+
+
+def _run_child(*args) -> dict:
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps([size, bucket_mb, repeats])],
+        [sys.executable, __file__, "--child", json.dumps(list(args))],
         capture_output=True, text=True, check=False,
     )
     if proc.returncode != 0:
-        return {"size": size, "error": proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
+        return {"child": args[0], "error": proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def lora_rows(model_dir: Path, rank: int, bucket_mb: float, repeats: int) -> dict:
+    if not (model_dir / "config.json").exists():
+        from opsd.convert_smollm2 import convert
+
+        convert(model_dir)
+    rows = [_run_child(sync, str(model_dir), rank, bucket_mb, repeats) for sync in ("full", "merged", "adapter")]
+    by_sync = {r.get("sync"): r for r in rows}
+    ratio = by_sync["adapter"]["bytes"] / by_sync["full"]["bytes"] if {"adapter", "full"} <= by_sync.keys() else None
+    return {"model": "SmolLM2-135M-Instruct", "rank": rank, "alpha": 2 * rank, "rows": rows,
+            "adapter_over_full_bytes": ratio and round(ratio, 4)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--sizes", nargs="*", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--lora", action="store_true", help="add the LoRA rows (SmolLM2: full vs merged vs adapter sync)")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--smollm2-dir", type=Path, default=Path("artifacts/smollm2-135m-instruct"))
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(*json.loads(args.child))))
+        child = json.loads(args.child)
+        print(json.dumps(measure_lora(*child) if child[0] in ("full", "merged", "adapter") else measure(*child)))
         return
     print(json.dumps({
         "device": "cuda" if torch.cuda.is_available() else "cpu",
@@ -124,6 +170,7 @@ def main() -> None:
         "bucket_mb": args.bucket_mb,
         "repeats": args.repeats,
         "results": [_run_child(size, args.bucket_mb, args.repeats) for size in args.sizes],
+        **({"lora": lora_rows(args.smollm2_dir, args.lora_rank, args.bucket_mb, args.repeats)} if args.lora else {}),
     }, indent=1))
 
 
