@@ -46,6 +46,9 @@ class LoraConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     """Names (last component) of the language model's linear layers that get an adapter."""
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the frozen base weights are held in: bfloat16 halves their memory (the adapter and its
+    optimizer state stay float32); needs `model.dtype: bfloat16`."""
     vision_target_modules: list[str] = dataclasses.field(default_factory=list)
     """The same for the vision tower and connector of a vision-language model (e.g. `[q_proj, fc1]`);
     empty = frozen. Needs `rollout.lora_sync: merged`."""
@@ -419,6 +422,8 @@ class Config:
             # FSDP casts the parameters only; bfloat16 autocast casts the inputs (pixel values) to match.
             raise ValueError("distributed.param_dtype=bfloat16 needs model.dtype=bfloat16")
         lora = self.model.lora
+        if lora is not None and lora.base_dtype == "bfloat16" and self.model.dtype != "bfloat16":
+            raise ValueError("model.lora.base_dtype=bfloat16 needs model.dtype=bfloat16 (bfloat16 autocast)")
         if lora is not None and self.rollout.lora_sync == "adapter":
             if self.rollout.engine != "vllm" and self.rollout.engine in BUILTIN_ENGINES:
                 raise ValueError(f"rollout.lora_sync=adapter needs rollout.engine=vllm (the {self.rollout.engine} "

@@ -66,6 +66,10 @@ def add_lora(model: torch.nn.Module, cfg: LoraConfig, *, ema: bool = False) -> t
     )
     peft_model = get_peft_model(model, peft_config)  # freezes everything but the default adapter
     inner = peft_model.base_model.model
+    if cfg.base_dtype != "float32":
+        for name, param in inner.named_parameters():
+            if ".lora_" not in name:
+                param.data = param.data.to(getattr(torch, cfg.base_dtype))
     if ema:
         peft_model.add_adapter(EMA_ADAPTER, peft_config)
         for param in adapter_parameters(inner, EMA_ADAPTER).values():
@@ -179,7 +183,8 @@ def merged_tensors(model: torch.nn.Module, adapter: str = STUDENT_ADAPTER) -> It
             continue
         if leaf == "weight" and adapter in layer.lora_A:
             a, b = _full(layer.lora_A[adapter].weight), _full(layer.lora_B[adapter].weight)
-            tensor = tensor + layer.scaling[adapter] * (b.to(tensor.dtype) @ a.to(tensor.dtype))
+            delta = layer.scaling[adapter] * (b.float() @ a.float())  # in float32 also for a bfloat16 base
+            tensor = (tensor.float() + delta).to(tensor.dtype)
         yield f"{layer_name}.{leaf}", tensor
 
 

@@ -108,6 +108,7 @@ def test_vllm_rank_rounds_up():
     (["model.lora.vision_target_modules=[fc1]"], "vision_target_modules"),
     (["model.lora.target_modules=[q_proj.weight]"], "not module names"),
     (["model.lora.rank=0"], "model.lora.rank"),
+    (["model.lora.base_dtype=bfloat16"], "needs model.dtype=bfloat16"),
 ])
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -118,3 +119,16 @@ def test_merged_sync_goes_with_any_engine():
     cfg = load_config("configs/demo.yaml", ["model.lora={rank: 8}", "rollout.engine=hf", "rollout.lora_sync=merged",
                                              "model.lora.vision_target_modules=[fc1]", "teacher.mode=base"])
     assert cfg.model.lora.vision_target_modules == ["fc1"] and cfg.teacher.mode == "base"
+
+
+def test_bfloat16_base_keeps_a_float32_adapter(tiny_text_dir):
+    student = lora.add_lora(text_model(tiny_text_dir), LoraConfig(rank=4, base_dtype="bfloat16"))
+    dtypes = {".lora_" in n: p.dtype for n, p in student.named_parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    randomise_adapter(student)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = completion_logits(student, batch())
+    logits.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.adapter_parameters(student).values())
+    merged = dict(lora.merged_tensors(student))
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
