@@ -5,10 +5,11 @@ import torch
 
 from opsd.config import ModelConfig, OptimConfig, TeacherConfig
 from opsd.data.sample import Sample
-from opsd.data.stream import SampleList, SampleStream
+from opsd.data.stream import SampleStream
 from opsd.modeling import load_model, load_processor
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.checkpoint import TrainingParts
+from tests.helpers.samples import SampleList
 from opsd.trainer.optim import build_optimizer, build_scheduler
 
 

@@ -286,7 +286,7 @@ def test_weights_only_resume_starts_a_new_run_from_the_ema_weights(saved, tmp_pa
     manager = CheckpointManager(cfg, tmp_path / "new")
     assert manager.resume_step is None and manager.saved_wandb_run_id is None  # fresh metrics and wandb run
     parts = make_parts(tiny_text_dir)
-    assert manager.start(parts) == 0 and manager.restored_weights
+    assert manager.start(parts) == 0 and manager.source is not None
     assert_same_tensors(parts.student.state_dict(), trained.teacher.state_dict())
     assert_same_tensors(parts.teacher.state_dict(), trained.teacher.state_dict())  # the teacher starts there too
     assert not parts.optimizer.state and parts.stream.state_dict()["positions"] == [0]
