@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_resume_e2e import Interrupted, assert_same_steps, read_metrics
-from test_rollout_parity import TOLERANCE, engine_logprobs, text_samples, trainer_logprobs
+from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
+from tests.helpers.runs import read_metrics
+from tests.integration.test_resume_e2e import Interrupted, assert_same_steps
+from tests.integration.test_rollout_parity import text_samples
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import opsd.train
