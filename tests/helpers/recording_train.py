@@ -3,7 +3,7 @@
 Run as `python tests/recording_train.py --config ...` or under `torchrun`. After every sync, rank R
 writes `<output_dir>/pushed_rank{R}.safetensors` (the full tensors it pushed) and
 `<output_dir>/engine_rank{R}.json` (the engine's own parameter digests, when it has them); the last
-step's files remain. Used by tests/test_distributed_train.py.
+step's files remain. A LoRA run with adapter sync records the adapter's tensors (PEFT file keys). Used by tests/test_distributed_train.py.
 """
 
 import json
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 import opsd.train
 from opsd.config import load_config
-from opsd.rollout.weight_sync import push_weights
+from opsd.rollout.weight_sync import sync_student
 
 
 class Recorder:
@@ -34,21 +34,25 @@ class Recorder:
     def end_weight_update(self):
         self.engine.end_weight_update()
 
+    def receive_adapter(self, update):  # LoRA, rollout.lora_sync=adapter
+        self.tensors.update((name, t.detach().clone()) for name, t in update.tensors.items())
+        self.engine.receive_adapter(update)
+
 
 def main(argv):
     config_at = argv.index("--config")
     cfg = load_config(argv[config_at + 1], argv[:config_at] + argv[config_at + 2 :])
     out, rank = Path(cfg.logging.output_dir), int(os.environ.get("RANK", "0"))
 
-    def recording_push(model, engine, **kwargs):
+    def recording_sync(model, engine, **kwargs):
         recorder = Recorder(engine)
-        stats = push_weights(model, recorder, **kwargs)
+        stats = sync_student(model, recorder, **kwargs)
         save_file(recorder.tensors, out / f"pushed_rank{rank}.safetensors")
         if hasattr(engine, "weight_checksums"):
             (out / f"engine_rank{rank}.json").write_text(json.dumps(engine.weight_checksums()))
         return stats
 
-    opsd.train.push_weights = recording_push
+    opsd.train.sync_student = recording_sync
     opsd.train.train(cfg)
 
 

@@ -14,3 +14,30 @@ def demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, *overrides):
 
 def read_metrics(output_dir):
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class Interrupted(Exception):
+    """Raised out of a training run by `train_until_crash`."""
+
+
+def train_until_crash(cfg, crash_after_step: int, monkeypatch) -> None:
+    """`opsd.train.train(cfg)`, stopped by an exception right after `crash_after_step` is logged (as a
+    crash would stop it: no end of run); the run's engine is closed afterwards."""
+    import pytest
+
+    import opsd.train
+    from opsd.trainer.metrics import MetricsLogger
+
+    engines, make_engine, log = [], opsd.train.make_engine, MetricsLogger.log
+
+    def log_then_crash(self, step, metrics):
+        log(self, step, metrics)
+        if step == crash_after_step:
+            raise Interrupted
+
+    with monkeypatch.context() as patch:
+        patch.setattr(opsd.train, "make_engine", lambda *a: engines.append(make_engine(*a)) or engines[-1])
+        patch.setattr(MetricsLogger, "log", log_then_crash)
+        with pytest.raises(Interrupted):
+            opsd.train.train(cfg)
+    engines.pop().close()

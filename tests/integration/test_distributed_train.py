@@ -110,3 +110,23 @@ def test_a_tensor_parallel_engine_over_two_ranks_samples_what_one_engine_would(t
     assert_close_weights(run.pushed(1), single_process.pushed(0))
     engines = [json.loads((run.output_dir / f"engine_rank{r}.json").read_text()) for r in (0, 1)]
     assert all(name.startswith(f"dp0:pp0:pcp0:tp{r}:") for r in (0, 1) for name in engines[r])  # shards
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_lora_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, grid_data_dir):
+    """LoRA under FSDP2 (frozen base and trainable adapter in the same units, the EMA adapter sharded
+    alike): the adapter each rank pushes into its engine is the single-process run's, and the
+    checkpoint's adapters (gathered from the shards) too."""
+    lora = ["model.lora={rank: 8, alpha: 16}", "teacher.mode=ema", "rollout.lora_sync=adapter"]
+    single = Run(launch([sys.executable], tmp_path / "single", tiny_vlm_dir, grid_data_dir,
+                        "train.prompts_per_micro_step=2", *lora), tmp_path / "single")
+    run = torchrun(tmp_path / "two-ranks", tiny_vlm_dir, grid_data_dir, *lora)
+    assert_same_training(run.metrics(), single.metrics())
+    rank0, rank1 = run.pushed(0), run.pushed(1)
+    assert rank0.keys() == rank1.keys() and all(".lora_" in name for name in rank0)
+    assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+    assert_close_weights(rank0, single.pushed(0))
+    for role in ("model", "teacher"):
+        saved = load_file(run.output_dir / f"checkpoint-{STEPS}" / role / "adapter_model.safetensors")
+        assert_close_weights(saved, load_file(single.output_dir / f"checkpoint-{STEPS}" / role / "adapter_model.safetensors"))

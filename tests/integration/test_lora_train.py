@@ -7,24 +7,21 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
-from tests.helpers.runs import read_metrics
-from tests.integration.test_resume_e2e import Interrupted, assert_same_steps
+from tests.helpers.logprobs import TOLERANCE, engine_logprobs, sample_grid_eval_prompts, trainer_logprobs
+from tests.helpers.runs import read_metrics, train_until_crash
+from tests.integration.test_resume_e2e import assert_same_steps
 from tests.integration.test_rollout_parity import text_samples
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import opsd.train
 from opsd import lora
-from opsd.config import PromptConfig, TeacherConfig, load_config
-from opsd.data.synthetic import load_samples
+from opsd.config import TeacherConfig, load_config
 from opsd.export import main as export_main
-from opsd.prompts import placeholder_token_ids, student_prompt
-from opsd.rollout.engine import SamplingSettings
+from opsd.prompts import student_prompt
 from opsd.scoring import completion_logits
 from opsd.sequences import collate, encode_prompt
 from opsd.teacher import make_teacher
 from opsd.trainer.checkpoint import list_checkpoints
-from opsd.trainer.metrics import MetricsLogger
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -108,21 +105,8 @@ def test_vlm_resume_is_exact(vlm_run, tmp_path, tiny_vlm_dir, grid_data_dir, mon
     """6 steps straight == 3 steps, a crash one step after checkpoint-3, a resume, 3 more steps."""
     reference_dir, _ = vlm_run
     output_dir = tmp_path / "run"
-    engines, make_engine, log = [], opsd.train.make_engine, MetricsLogger.log
-
-    def log_then_crash_at_step_4(self, step, metrics):
-        log(self, step, metrics)
-        if step == 4:
-            raise Interrupted
-
-    monkeypatch.setattr(opsd.train, "make_engine", lambda *a: engines.append(make_engine(*a)) or engines[-1])
-    monkeypatch.setattr(MetricsLogger, "log", log_then_crash_at_step_4)
-    with pytest.raises(Interrupted):
-        opsd.train.train(vlm_config(output_dir, tiny_vlm_dir, grid_data_dir))
-    engines.pop().close()
+    train_until_crash(vlm_config(output_dir, tiny_vlm_dir, grid_data_dir), 4, monkeypatch)
     assert [c.step for c in list_checkpoints(output_dir)] == [3]
-
-    monkeypatch.setattr(MetricsLogger, "log", log)
     opsd.train.train(vlm_config(output_dir, tiny_vlm_dir, grid_data_dir, "checkpoint.resume_from=auto"))
     assert_same_steps(read_metrics(output_dir), read_metrics(reference_dir))
     got, want = adapter_weights(output_dir / "checkpoint-6"), adapter_weights(reference_dir / "checkpoint-6")
@@ -132,8 +116,6 @@ def test_vlm_resume_is_exact(vlm_run, tmp_path, tiny_vlm_dir, grid_data_dir, mon
 
 
 def test_export_merge_loads_in_transformers_and_vllm(vlm_run, tmp_path, grid_data_dir):
-    from opsd.rollout.vllm_engine import VLLMEngine
-
     run_dir, student = vlm_run
     assert export_main(["--checkpoint", str(run_dir), "--out", str(tmp_path / "adapter")]) == 0
     assert lora.is_adapter_dir(tmp_path / "adapter")
@@ -143,13 +125,7 @@ def test_export_merge_loads_in_transformers_and_vllm(vlm_run, tmp_path, grid_dat
     merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     assert not any(".lora_" in n or "base_layer" in n for n in merged.state_dict())
 
-    prompts = [student_prompt(s, processor, PromptConfig()) for s in load_samples(grid_data_dir / "eval.parquet")[:3]]
-    sampling = SamplingSettings(max_new_tokens=12, n=2, seed=5, banned_token_ids=placeholder_token_ids(processor))
-    engine = VLLMEngine(str(out), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64)
-    try:
-        completions = engine.generate(prompts, sampling)
-    finally:
-        engine.close()
+    prompts, completions = sample_grid_eval_prompts(out, processor, grid_data_dir)
     from_student = trainer_logprobs(student, processor, prompts, completions)
     assert (engine_logprobs(completions) - from_student).abs().max() < TOLERANCE
     assert (trainer_logprobs(merged, processor, prompts, completions) - from_student).abs().max() < TOLERANCE

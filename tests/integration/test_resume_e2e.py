@@ -11,16 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
+from tests.helpers.logprobs import TOLERANCE, engine_logprobs, sample_grid_eval_prompts, trainer_logprobs
+from tests.helpers.runs import train_until_crash
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import opsd.train
-from opsd.config import PromptConfig, load_config
-from opsd.data.synthetic import load_samples
-from opsd.prompts import placeholder_token_ids, student_prompt
-from opsd.rollout.engine import SamplingSettings
+from opsd.config import load_config
 from opsd.trainer.checkpoint import list_checkpoints, read_trainer_state
-from opsd.trainer.metrics import MetricsLogger
 
 REPO = Path(__file__).parents[2]
 
@@ -60,10 +57,6 @@ def assert_same_steps(records, reference):
                 assert got[key] == pytest.approx(value, abs=1e-6, rel=0), (got["step"], key)
 
 
-class Interrupted(Exception):
-    pass
-
-
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, tiny_vlm_dir, grid_data_dir):
     """6 steps without interruption; keeps the trainer's final student and EMA teacher."""
@@ -87,22 +80,10 @@ def test_resume_continues_exactly(straight_run, tmp_path, tiny_vlm_dir, grid_dat
     """6 steps straight == 3 steps, a crash one step after checkpoint-3, a resume, 3 more steps."""
     reference_dir, _ = straight_run
     output_dir = tmp_path / "run"
-    engines, make_engine, log = [], opsd.train.make_engine, MetricsLogger.log
-
-    def log_then_crash_at_step_4(self, step, metrics):
-        log(self, step, metrics)
-        if step == 4:
-            raise Interrupted
-
-    monkeypatch.setattr(opsd.train, "make_engine", lambda *a: engines.append(make_engine(*a)) or engines[-1])
-    monkeypatch.setattr(MetricsLogger, "log", log_then_crash_at_step_4)
-    with pytest.raises(Interrupted):
-        opsd.train.train(run_config(output_dir, tiny_vlm_dir, grid_data_dir))
-    engines.pop().close()
+    train_until_crash(run_config(output_dir, tiny_vlm_dir, grid_data_dir), 4, monkeypatch)
     assert [c.step for c in list_checkpoints(output_dir)] == [3]
     assert [r["step"] for r in read_metrics(output_dir)] == [1, 2, 3, 4]
 
-    monkeypatch.setattr(MetricsLogger, "log", log)
     opsd.train.train(run_config(output_dir, tiny_vlm_dir, grid_data_dir, "checkpoint.resume_from=auto"))
 
     records = read_metrics(output_dir)  # step 4 of the crashed run is replaced, not duplicated
@@ -136,8 +117,6 @@ def test_sigkill_mid_save_resumes_from_previous_checkpoint(straight_run, tmp_pat
 
 @pytest.mark.vllm
 def test_checkpoint_model_dir_loads_in_transformers_and_vllm(straight_run, grid_data_dir):
-    from opsd.rollout.vllm_engine import VLLMEngine
-
     reference_dir, trained = straight_run
     model_dir = reference_dir / "checkpoint-6" / "model"
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -146,13 +125,7 @@ def test_checkpoint_model_dir_loads_in_transformers_and_vllm(straight_run, grid_
         state = trained["student" if role == "model" else "teacher"].state_dict()
         assert all(torch.equal(t, state[name]) for name, t in model.state_dict().items()), role
 
-    prompts = [student_prompt(s, processor, PromptConfig()) for s in load_samples(grid_data_dir / "eval.parquet")[:3]]
-    sampling = SamplingSettings(max_new_tokens=12, n=2, seed=5, banned_token_ids=placeholder_token_ids(processor))
-    engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64)
-    try:
-        completions = engine.generate(prompts, sampling)
-    finally:
-        engine.close()
+    prompts, completions = sample_grid_eval_prompts(model_dir, processor, grid_data_dir)
     from_engine = engine_logprobs(completions)
     from_trainer = trainer_logprobs(trained["student"], processor, prompts, completions)
     from_transformers = trainer_logprobs(loaded, processor, prompts, completions)
