@@ -146,7 +146,7 @@ def write_adapter_dir(path: Path, tensors: dict[str, torch.Tensor], config: Peft
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(path))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / ADAPTER_WEIGHTS))
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path / ADAPTER_WEIGHTS))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
