@@ -48,9 +48,12 @@ def resolve_model_dirs(path: str | Path) -> ModelDirs:
         return ModelDirs(str(path), None, step)
     student = next((path / d for d in CHECKPOINT_STUDENT_DIRS if (path / d / "config.json").is_file()), None)
     if student is None:
+        lora = (path / MODEL_DIR / "adapter_config.json").is_file()
         raise FileNotFoundError(
             f"--checkpoint {path}: neither a Hugging Face model directory (no config.json) nor a checkpoint "
             f"with one in {'/ or '.join(CHECKPOINT_STUDENT_DIRS)}/"
+            + (f"; it holds a LoRA adapter: `python -m opsd.export --checkpoint {path} --out DIR --merge` "
+               "writes a full model directory to dump from" if lora else "")
         )
     teacher = next((path / d for d in CHECKPOINT_TEACHER_DIRS if (path / d / "config.json").is_file()), None)
     return ModelDirs(str(student), str(teacher) if teacher else None, step)

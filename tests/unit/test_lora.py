@@ -132,3 +132,12 @@ def test_bfloat16_base_keeps_a_float32_adapter(tiny_text_dir):
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.adapter_parameters(student).values())
     merged = dict(lora.merged_tensors(student))
     assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+def test_dumps_point_lora_checkpoints_to_export_merge(tmp_path):
+    from opsd.dumps.offline import resolve_model_dirs
+
+    (tmp_path / "checkpoint-3" / "model").mkdir(parents=True)
+    (tmp_path / "checkpoint-3" / "model" / lora.ADAPTER_CONFIG).write_text("{}")
+    with pytest.raises(FileNotFoundError, match="LoRA adapter.*--merge"):
+        resolve_model_dirs(tmp_path / "checkpoint-3")
