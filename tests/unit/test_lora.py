@@ -141,3 +141,13 @@ def test_dumps_point_lora_checkpoints_to_export_merge(tmp_path):
     (tmp_path / "checkpoint-3" / "model" / lora.ADAPTER_CONFIG).write_text("{}")
     with pytest.raises(FileNotFoundError, match="LoRA adapter.*--merge"):
         resolve_model_dirs(tmp_path / "checkpoint-3")
+
+
+def test_engines_without_receive_adapter_are_refused_for_adapter_sync():
+    from opsd.rollout.weight_sync import check_adapter_receiver
+
+    class FullWeightsOnly:
+        def begin_weight_update(self): ...
+
+    with pytest.raises(ConfigError, match="FullWeightsOnly has no receive_adapter.*lora_sync=merged"):
+        check_adapter_receiver(FullWeightsOnly())
