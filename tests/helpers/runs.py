@@ -41,3 +41,14 @@ def train_until_crash(cfg, crash_after_step: int, monkeypatch) -> None:
         with pytest.raises(Interrupted):
             opsd.train.train(cfg)
     engines.pop().close()
+
+
+def assert_same_steps(records, reference):
+    """Every logged value of every step agrees (wall times aside) to 1e-6."""
+    import pytest
+
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for got, want in zip(records, reference):
+        for key, value in want.items():
+            if not key.startswith("time_"):
+                assert got[key] == pytest.approx(value, abs=1e-6, rel=0), (got["step"], key)

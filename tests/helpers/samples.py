@@ -17,3 +17,8 @@ class SampleList:
 
     def where(self, index: int) -> str:
         return f"item {index}"
+
+
+def text_samples(n: int) -> list[Sample]:
+    """`n` text-only questions (no images, nothing privileged)."""
+    return [Sample(id=f"t{i}", question=f"What is {i} + {i + 3}?", images=[], privileged_images=[]) for i in range(n)]

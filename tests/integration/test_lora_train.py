@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tests.helpers.logprobs import TOLERANCE, engine_logprobs, sample_grid_eval_prompts, trainer_logprobs
-from tests.helpers.runs import read_metrics, train_until_crash
-from tests.integration.test_resume_e2e import assert_same_steps
-from tests.integration.test_rollout_parity import text_samples
+from tests.helpers.runs import assert_same_steps, read_metrics, train_until_crash
+from tests.helpers.samples import text_samples
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 import opsd.train

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tests.helpers.logprobs import TOLERANCE, engine_logprobs, sample_grid_eval_prompts, trainer_logprobs
-from tests.helpers.runs import train_until_crash
+from tests.helpers.runs import assert_same_steps, train_until_crash
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import opsd.train
@@ -46,15 +46,6 @@ def assert_same_weights(a, b):
     for role in a:
         assert a[role].keys() == b[role].keys()
         assert all(torch.equal(a[role][k], b[role][k]) for k in a[role]), role
-
-
-def assert_same_steps(records, reference):
-    """Every logged value of every step agrees (wall times aside) to 1e-6."""
-    assert [r["step"] for r in records] == [r["step"] for r in reference]
-    for got, want in zip(records, reference):
-        for key, value in want.items():
-            if not key.startswith("time_"):
-                assert got[key] == pytest.approx(value, abs=1e-6, rel=0), (got["step"], key)
 
 
 @pytest.fixture(scope="module")
