@@ -37,6 +37,7 @@ class LoraConfig:
     """Train a LoRA adapter (built with `peft`) instead of the full weights (see README, LoRA)."""
 
     rank: Annotated[int, Field(gt=0, le=512)] = 16
+    """Rank r of the update B @ A (A: r x in, B: out x r); the adapter's size grows with it."""
     alpha: Positive = 32
     """Scale of the update: W + (alpha / rank) * B @ A."""
     dropout: Probability = 0.0
