@@ -143,11 +143,11 @@ def tinker_loss(
 ) -> Tensor:
     """Per-token on-policy distillation loss [N] on the sampled tokens y.
 
-    A = log p_T(y) - log p_S(y) (detached) and loss = -A * log p_S(y). With sampler_logprobs (the
-    sampling engine's log p(y), possibly from lagging weights) the loss is importance weighted,
-    -A * exp(log p_S(y) - sampler_logprobs), whose gradient is -A * ratio * grad log p_S(y); when the
-    sampler has the student's weights the ratio is 1 and the gradient equals the plain form (the
-    value differs: -A instead of -A * log p_S(y)).
+    A = log p_T(y) - log p_S(y) at the loss temperature (detached) and loss = -A * log p_S(y).
+    With sampler_logprobs (the sampling engine's raw log p(y), possibly from lagging weights) each
+    token is importance weighted by ratio = exp(log p_S(y) - sampler_logprobs), both sides raw
+    (temperature 1) whatever the loss temperature, so that the ratio is 1 when the sampler holds the
+    student's weights; the ratio is detached: loss = -A * ratio * log p_S(y).
     """
     _check_logits(student_logits, teacher_logits)
     n = student_logits.shape[0]
@@ -169,4 +169,9 @@ def tinker_loss(
     advantage = (teacher_lp - student_lp).detach()
     if sampler_logprobs is None:
         return -advantage * student_lp
-    return -advantage * torch.exp(student_lp - _upcast(sampler_logprobs.detach()))
+    with torch.no_grad():
+        raw_lp = student_lp if temperature == 1 else token_logprobs(
+            student_logits, sampled_ids, chunk_size=_TINKER_CHUNK_ROWS
+        )
+        ratio = torch.exp(raw_lp - _upcast(sampler_logprobs))
+    return -advantage * ratio * student_lp

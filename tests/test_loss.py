@@ -210,16 +210,22 @@ def test_tinker_values_and_grad(monkeypatch, temperature):
     assert t.grad is None
 
 
-def test_tinker_importance_weight():
-    s = logits(6, 20, 25).requires_grad_()
-    t = logits(6, 20, 26)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_tinker_importance_weight(temperature):
+    """The ratio compares raw logprobs (the engine's are at T=1) whatever the loss temperature."""
+    s = logits(6, 20, 25, dtype=torch.float64).requires_grad_()  # float64: 1e-6 is far above rounding
+    t = logits(6, 20, 26, dtype=torch.float64)
     ids = torch.randint(0, 20, (6,), generator=torch.Generator().manual_seed(2))
-    own = torch.log_softmax(s.detach(), -1)[torch.arange(6), ids]
-    (plain,) = torch.autograd.grad(tinker_loss(s, t, ids).sum(), s)
-    (same,) = torch.autograd.grad(tinker_loss(s, t, ids, sampler_logprobs=own).sum(), s)
-    torch.testing.assert_close(same, plain)  # sampler == student weights: the plain gradient
+    own = torch.log_softmax(s.detach(), -1)[torch.arange(6), ids]  # the student's raw logprobs
+    plain_loss = tinker_loss(s, t, ids, temperature=temperature)
+    (plain,) = torch.autograd.grad(plain_loss.sum(), s)
+    same_loss = tinker_loss(s, t, ids, temperature=temperature, sampler_logprobs=own)
+    (same,) = torch.autograd.grad(same_loss.sum(), s)
+    # sampler == student weights: ratio 1, the plain gradient (and value)
+    torch.testing.assert_close(same, plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(same_loss, plain_loss, atol=1e-6, rtol=0)
     lagging = own + torch.linspace(-0.5, 0.5, 6)
-    (weighted,) = torch.autograd.grad(tinker_loss(s, t, ids, sampler_logprobs=lagging).sum(), s)
+    (weighted,) = torch.autograd.grad(tinker_loss(s, t, ids, temperature=temperature, sampler_logprobs=lagging).sum(), s)
     ratio = torch.exp(own - lagging)
     torch.testing.assert_close(weighted, ratio[:, None] * plain)
 
