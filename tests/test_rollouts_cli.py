@@ -35,14 +35,14 @@ def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir,
         f"data.path={grid_data_dir}", "rollout.max_new_tokens=12",
     ]
     assert main(["dump", *common, "--out", str(tmp_path / "real")]) == 0
-    assert main(["dump", *common, "--out", str(tmp_path / "noise"), "prompts.noise_privileged_images=true"]) == 0
+    assert main(["dump", *common, "--out", str(tmp_path / "noise"), "prompts.noise=normal"]) == 0
     real = pq.read_table(tmp_path / "real" / "step_0_rank_0.parquet")
     noise = pq.read_table(tmp_path / "noise" / "step_0_rank_0.parquet")
     assert real.num_rows == noise.num_rows == 4  # 2 prompts x samples_per_prompt 2
     # Same weights and seeds: the same completions, scored by teachers that saw different images.
     assert real["completion_ids"].to_pylist() == noise["completion_ids"].to_pylist()
     assert real["teacher_logprobs"].to_pylist() != noise["teacher_logprobs"].to_pylist()
-    assert all(":noise@" in ref for refs in noise["teacher_images"].to_pylist() for ref in refs[1:])
+    assert all(":noise-normal@" in ref for refs in noise["teacher_images"].to_pylist() for ref in refs[1:])
     capsys.readouterr()
 
     plots = tmp_path / "plots"

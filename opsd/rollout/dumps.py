@@ -6,7 +6,7 @@ scored); `datasets.load_dataset("parquet", data_files=...)` and pandas read it. 
     step, rank, index                 int    the step, the writing rank, the completion's place in the file
     sample_id, prompt, teacher_prompt string the sample and both chat-templated prompt texts
     images, teacher_images            list<string>  image references, never pixels:
-                                      `{sample_id}/{field}/{i}[:noise]@sha256:{16 hex}`
+                                      `{sample_id}/{field}/{i}[:noise-{kind}]@sha256:{16 hex}`
     answer, predicted_answer          string (null when unknown / no <answer> tag)
     correct                           bool   (null when the sample has no answer)
     completion_ids, completion_tokens list<int32>, list<string> (each token decoded alone)
@@ -104,10 +104,10 @@ def token_scores(micro: list[Example], scored: ScoredBatch, *, top_n: int, chunk
 
 
 def image_refs(sample: Sample, images, prompt_cfg: PromptConfig, *, teacher: bool) -> list[str]:
-    """`{sample_id}/{field}/{i}[:noise]@sha256:{16 hex}` for a prompt's images, in prompt order."""
+    """`{sample_id}/{field}/{i}[:noise-{kind}]@sha256:{16 hex}` for a prompt's images, in prompt order."""
     names = [f"images/{i}" for i in range(len(sample.images))]
     if teacher and "images" in prompt_cfg.privileged:
-        noise = ":noise" if prompt_cfg.noise_privileged_images else ""
+        noise = f":noise-{prompt_cfg.noise}" if prompt_cfg.noise != "off" else ""
         names += [f"privileged_images/{i}{noise}" for i in range(len(sample.privileged_images))]
     return [
         f"{sample.id}/{name}@sha256:{hashlib.sha256(img.tobytes()).hexdigest()[:16]}"
