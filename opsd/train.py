@@ -31,6 +31,7 @@ from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt, t
 from opsd.rollout import SamplingSettings, make_engine
 from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
 from opsd.rollout.weight_sync import push_weights
+from opsd.scoring import UnsupportedModelError
 from opsd.sequences import build_sample_examples, encode_prompt, padding_example
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts
@@ -202,6 +203,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    parser.add_argument("--check", action="store_true",
+                        help="self-test on one step's prompts (divergence 0 without privileged information, "
+                             "engine/trainer logprobs agree, weight sync), print the divergence with it, exit")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
     return parser.parse_args(argv)
 
@@ -218,8 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_plan(cfg))
         return 0
     try:
+        if args.check:
+            from opsd.check import run_check
+
+            return 0 if run_check(cfg) else 1
         train(cfg)
-    except (CheckpointError, ConfigError, BadSampleError) as err:  # bad checkpoint, data not fitting the config, a bad row
+    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError) as err:
+        # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
