@@ -20,17 +20,18 @@ import torch
 
 from opsd.config import Config
 from opsd.data.dataset import split_samples
-from opsd.data.validation import prompt_length_check
+from opsd.device import resolve_device
 from opsd.loss import GuardrailSums, guardrail_sums
 from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt
-from opsd.rollout import make_engine
+from opsd.rollout import make_engine, sampling_settings
 from opsd.rollout.weight_sync import push_weights
-from opsd.sequences import Example, build_examples, build_sample_examples, encode_prompt
+from opsd.scoring import check_scoring_matches_forward, score_micro_batch
+from opsd.sequences import Example, build_examples, build_sample_examples, encode_prompt, prompt_length_check
 from opsd.teacher import make_teacher
-from opsd.trainer.device import resolve_device, seed_everything
 from opsd.trainer.optim import build_optimizer
-from opsd.trainer.step import score_micro_batch, train_step
+from opsd.trainer.rng import seed_everything
+from opsd.trainer.step import train_step
 
 DIVERGENCE_TOLERANCE = 1e-6
 """|divergence| allowed when teacher and student score the same sequence with the same weights."""
@@ -78,10 +79,9 @@ def run_check(cfg: Config, out=print) -> bool:
     try:
         seed_everything(cfg.train.seed)
         student = load_model(cfg.model, processor, device)
+        check_scoring_matches_forward(student)
         teacher = make_teacher(cfg.teacher, student)
         push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)  # the sync path, as a run starts
-        from opsd.train import sampling_settings
-
         prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
         completions = engine.generate(prompts, sampling_settings(cfg, 1, processor))
         encoded = [encode_prompt(processor, p) for p in prompts]
