@@ -21,7 +21,7 @@ import torch
 from opsd.config import Config
 from opsd.data.dataset import split_samples
 from opsd.device import resolve_device
-from opsd.loss import GuardrailSums, guardrail_sums
+from opsd.loss import GuardrailSums
 from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt
 from opsd.rollout import make_engine, sampling_settings
@@ -59,9 +59,7 @@ def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -
         scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id)
         distill.append(scored.distill.float())
         mismatch.append((scored.student_logprobs - scored.engine_logprobs).abs())
-        sums.add(guardrail_sums(scored.student_logits, scored.teacher_logits, kind=cfg.loss.kind, beta=cfg.loss.beta,
-                                temperature=cfg.loss.temperature, top_k=cfg.loss.top_k, token_clip=cfg.loss.token_clip,
-                                clip_mode=cfg.loss.clip_mode, chunk_size=cfg.loss.chunk_size))
+        sums.add(scored.guardrails(cfg.loss))
     distill, mismatch = torch.cat(distill), torch.cat(mismatch)
     return Scores(distill.mean().item(), distill.abs().max().item(), mismatch.max().item(), distill.numel(), sums.metrics())
 

@@ -276,7 +276,8 @@ class TrainConfig:
 @dataclass(config=_STRICT)
 class EvalConfig:
     every: Annotated[int, Field(ge=0)] = 0
-    """Evaluate every this many optimizer steps and after the last; 0 = never."""
+    """Evaluate before the first step (logged as step 0), every this many optimizer steps and after
+    the last; 0 = never."""
     num_samples: Annotated[int, Field(gt=0)] = 64
     """Samples taken from the datasets' eval splits (the first usable ones, the same every time)."""
     max_new_tokens: Annotated[int, Field(gt=0)] = 256

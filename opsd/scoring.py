@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from opsd.config import LossConfig
-from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
+from opsd.loss import GuardrailSums, generalized_jsd, guardrail_sums, tinker_loss, token_logprobs
 from opsd.sequences import Example, ForwardBatch, collate
 
 SCORING_METHOD = "opsd_completion_logits"
@@ -109,6 +109,10 @@ def distillation_terms(student_logits, teacher_logits, sampled_ids, engine_logpr
     )
 
 
+DISTILL_METRIC = {"jsd": "jsd", "tinker": "tinker_loss"}
+"""The logged name of the per-token mean of `distill`, by loss kind."""
+
+
 def weighted_loss(distill, ce, cfg: LossConfig):
     """The loss from its two parts (per token, or summed): the one place the formula is written."""
     return cfg.jsd_weight * distill + cfg.ce_weight * ce
@@ -124,6 +128,13 @@ class ScoredBatch:
     teacher_logits: torch.Tensor  # [N, V], no grad
     distill: torch.Tensor  # [N] per-token distillation term of the loss
     student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
+
+    def guardrails(self, cfg: LossConfig) -> GuardrailSums:
+        """Sums behind the guardrail metrics (teacher top-k mass, clip share, student entropy)."""
+        return guardrail_sums(
+            self.student_logits, self.teacher_logits, kind=cfg.kind, beta=cfg.beta, temperature=cfg.temperature,
+            top_k=cfg.top_k, token_clip=cfg.token_clip, clip_mode=cfg.clip_mode, chunk_size=cfg.chunk_size,
+        )
 
     def token_losses(self, cfg: LossConfig) -> torch.Tensor:
         """[N] per-token loss: distillation term plus CE on the sampled token, weighted."""

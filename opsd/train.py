@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +45,13 @@ from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import train_step
+from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
 
 
 def train(cfg: Config) -> Path:
+    started = time.perf_counter()
     run = start_run(cfg)
+    baseline_evaluation(run)
     progress = cfg.logging.progress_bar and run.ranks.is_main
     steps = range(run.start_step + 1, cfg.train.max_steps + 1)
     for step in tqdm(steps, initial=run.start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
@@ -55,19 +60,19 @@ def train(cfg: Config) -> Path:
             samples, prompts, completions = sample(run, step)
         with timer("train"):
             examples, counts, step_tokens = build_sequences(run, samples, prompts, completions)
-        if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
-            finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr})
+        if step_tokens == 0:  # no rank has anything to train on: all ranks skip the update together
+            advance_schedules(run)
+            finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr, **timer.record()})
             continue
         recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
         with timer("train"):
             metrics = update_student(run, examples, step_tokens, recorder, samples[0])
-            run.scheduler.step()
-            update_teacher(cfg.teacher, run.teacher, run.student)
+            advance_schedules(run)
         with timer("weight_sync"):  # the next rollouts are on-policy
             sync = push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
         record = {**metrics, **counts, "lr": lr, **timer.record(), "weight_sync_bytes": sync.bytes}
         finish_step(run, step, record, rollouts=(recorder, examples, samples) if recorder else None)
-    end_run(run)
+    end_run(run, wall_time_s=time.perf_counter() - started)
     return run.output_dir
 
 
@@ -151,9 +156,14 @@ def build_sequences(run: Run, samples, prompts, completions) -> tuple[list[Examp
     examples, counts = build_sample_examples(
         run.processor, run.cfg.prompts, samples, prompts, completions, run.cfg.train.max_forward_tokens
     )
+    capped = sum(c.hit_token_limit(run.cfg.rollout.max_new_tokens) for c in completions)
     # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
-    *dropped, step_tokens = map(int, run.ranks.sum([*counts.values(), sum(len(e.completion_ids) for e in examples)]))
-    return examples, dict(zip(counts, dropped)), step_tokens
+    *dropped, capped, num_completions, step_tokens = map(int, run.ranks.sum(
+        [*counts.values(), capped, len(completions), sum(len(e.completion_ids) for e in examples)]
+    ))
+    counts = dict(zip(counts, dropped))
+    counts["truncated_fraction"] = capped / num_completions if num_completions else 0.0  # hit max_new_tokens
+    return examples, counts, step_tokens
 
 
 def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample) -> dict:
@@ -173,6 +183,21 @@ def update_student(run: Run, examples: list[Example], step_tokens: int, recorder
     )
 
 
+def advance_schedules(run: Run) -> None:
+    """The LR schedule and the EMA teacher move one step on every step, the skipped ones included
+    (an EMA toward unchanged weights), so that both stay functions of the step count."""
+    with warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\(\)` before")
+        run.scheduler.step()
+    update_teacher(run.cfg.teacher, run.teacher, run.student)
+
+
+def baseline_evaluation(run: Run) -> None:
+    """With evaluation on, a fresh run is evaluated before its first step, logged as step 0."""
+    if run.evaluator is not None and run.start_step == 0:
+        run.logger.log(0, run.evaluator.run_if_due(0, run.engine, run.ranks))
+
+
 def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None) -> None:
     """The end of every step, trained or skipped: rollout dumps, evaluation when due, log, checkpoint."""
     if rollouts:
@@ -184,8 +209,13 @@ def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None
     run.checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
 
 
-def end_run(run: Run) -> None:
+def end_run(run: Run, wall_time_s: float) -> None:
     run.logger.close()
+    if run.ranks.is_main:  # the summary, on the console and in summary.json
+        summary = run_summary(read_records(run.logger.path), output_dir=run.output_dir,
+                              wall_time_s=wall_time_s, start_step=run.start_step)
+        write_summary(run.output_dir, summary)
+        tqdm.write(format_summary(summary))
     run.ranks.barrier()
     run.engine.close()
     run.ranks.close()

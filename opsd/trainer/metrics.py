@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from opsd.config import LoggingConfig
 
 CONSOLE_KEYS = (
-    "loss", "jsd", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy", "eval/teacher_accuracy",
+    "loss", "jsd", "tinker_loss", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy", "eval/teacher_accuracy",
 )
 
 
