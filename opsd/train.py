@@ -187,7 +187,7 @@ def advance_schedules(run: Run) -> None:
     """The LR schedule and the EMA teacher move one step on every step, the skipped ones included
     (an EMA toward unchanged weights), so that both stay functions of the step count."""
     with warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\(\)` before")
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
     update_teacher(run.cfg.teacher, run.teacher, run.student)
 
