@@ -14,11 +14,12 @@ Single process only; nothing is written to `logging.output_dir`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-from opsd.config import Config
+from opsd.config import Config, ConfigError
 from opsd.data.dataset import split_samples
 from opsd.device import resolve_device
 from opsd.loss import GuardrailSums
@@ -66,6 +67,8 @@ def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -
 
 def run_check(cfg: Config, out=print) -> bool:
     """The three checks on one step's prompts of the training split; True when all pass."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("--check runs in one process: start it with `python -m opsd.train`, not torchrun")
     device = resolve_device(cfg.train.device)
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
@@ -95,6 +98,9 @@ def run_check(cfg: Config, out=print) -> bool:
             f"(must be < {MISMATCH_TOLERANCE:g}): {'ok' if plain_ok else 'FAILED'}")
 
         privileged, _ = build_sample_examples(processor, cfg.prompts, samples, prompts, completions, cfg.train.max_forward_tokens)
+        if not privileged:
+            out("check FAILED: no completion fits beside the teacher's prompt (train.max_forward_tokens)")
+            return False
         with_info = score(cfg, student, teacher, privileged, pad_id)
         guardrails = ", ".join(f"{k} {v:.3g}" for k, v in with_info.guardrails.items())
         out(f"check 2, with privileged {'+'.join(cfg.prompts.privileged)} (teacher {cfg.teacher.mode}), "
