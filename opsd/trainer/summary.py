@@ -10,6 +10,8 @@ import json
 import math
 from pathlib import Path
 
+from opsd.trainer.console import THIRD_PARTY_LOG
+
 SUMMARY_FILE = "summary.json"
 STAGES = ("rollout", "train", "weight_sync", "eval")
 """The stages every step record times as `time_{stage}_s` (train = scoring, backward and optimizer step)."""
@@ -50,6 +52,8 @@ def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, st
     checkpoints = sorted(output_dir.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
     if checkpoints:
         files["last_checkpoint"] = str(checkpoints[-1])
+    if (output_dir / THIRD_PARTY_LOG).is_file():
+        files["run_log"] = str(output_dir / THIRD_PARTY_LOG)
     if (output_dir / "rollouts").is_dir():
         files["rollouts"] = str(output_dir / "rollouts")
     return {

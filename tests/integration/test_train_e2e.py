@@ -17,6 +17,7 @@ REQUIRED_KEYS = {
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
     output_dir = train(demo_config(tmp_path, tiny_vlm_dir, grid_data_dir))
     records = read_metrics(output_dir)
@@ -38,6 +39,7 @@ def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
     assert summary["files"]["last_checkpoint"] == str(output_dir / "checkpoint-3")
 
 
+@pytest.mark.slow
 def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir):
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "loss.kind=tinker", "teacher.mode=fixed")
     records = read_metrics(train(cfg))[1:]  # after the step-0 evaluation
@@ -48,6 +50,7 @@ def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_di
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, grid_data_dir, monkeypatch):
     """Without the weight sync the engine samples from old weights, and the metric shows it."""
     from opsd.rollout.vllm_engine import VLLMEngine
@@ -59,6 +62,7 @@ def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, gr
     assert records[-1]["logprob_mismatch_max"] > 1e-2
 
 
+@pytest.mark.slow
 def test_cli_entry_point(tmp_path, tiny_vlm_dir, grid_data_dir):
     args = [
         "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
