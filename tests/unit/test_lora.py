@@ -134,13 +134,17 @@ def test_bfloat16_base_keeps_a_float32_adapter(tiny_text_dir):
     assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
 
 
-def test_dumps_point_lora_checkpoints_to_export_merge(tmp_path):
+def test_dumps_point_lora_checkpoints_to_export_merge(tmp_path, tiny_text_dir):
     from opsd.dumps.offline import resolve_model_dirs
+    from opsd.trainer.checkpoint import save_checkpoint
+    from tests.helpers.parts import make_parts, take_steps
 
-    (tmp_path / "checkpoint-3" / "model").mkdir(parents=True)
-    (tmp_path / "checkpoint-3" / "model" / lora.ADAPTER_CONFIG).write_text("{}")
+    parts = make_parts(tiny_text_dir, teacher_mode="self", wrap=lambda model: lora.add_lora(model, LoraConfig(rank=4)))
+    take_steps(parts, 1)
+    path = save_checkpoint(tmp_path / "run", 1, parts, {"step": 1})
+    assert lora.is_adapter_dir(path / "model") and not (path / "model" / "model.safetensors").exists()
     with pytest.raises(FileNotFoundError, match="LoRA adapter.*--merge"):
-        resolve_model_dirs(tmp_path / "checkpoint-3")
+        resolve_model_dirs(path)
 
 
 def test_engines_without_receive_adapter_are_refused_for_adapter_sync():
