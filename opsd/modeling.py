@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 from opsd.config import ModelConfig
 from opsd.prompts import is_multimodal
+from opsd.vl_processor import load_image_only_processor
 
 
 def prepare_model_dir(cfg: ModelConfig) -> str:
@@ -19,6 +20,7 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
 
         build = {
             "tiny-vlm": tiny_models.build_tiny_vlm,
+            "tiny-qwen2.5-vl": tiny_models.build_tiny_qwen25_vl,
             "tiny-text": tiny_models.build_tiny_text_model,
             "smollm2": convert_smollm2.convert,
         }[cfg.build]
@@ -30,7 +32,13 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
 
 
 def load_processor(cfg: ModelConfig):
-    processor = AutoProcessor.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    try:
+        processor = AutoProcessor.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    except ImportError as err:
+        if "torchvision" not in str(err).lower():
+            raise
+        # Qwen-VL processors hold a video processor that needs torchvision; images need only PIL.
+        processor = load_image_only_processor(cfg.path, trust_remote_code=cfg.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
