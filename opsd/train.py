@@ -38,6 +38,7 @@ from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.device import seed_everything
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import shard_model
+from opsd.trainer.memory_plan import detected_device_gb, plan_memory, world_size_from_env
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.step import train_step
@@ -198,10 +199,23 @@ def describe_plan(cfg: Config) -> str:
     ])
 
 
+def describe_memory(cfg: Config, world_size: int, device_gb: float | None) -> str:
+    try:
+        return plan_memory(cfg, world_size, device_gb).describe()
+    except FileNotFoundError as err:
+        if cfg.model.build:
+            return f"memory plan: skipped, {cfg.model.path} is built at the first run (model.build: {cfg.model.build})"
+        return f"memory plan: skipped, {err}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, plan and memory plan, exit")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: ranks to plan memory for (default: torchrun's WORLD_SIZE, else 1)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="--dry-run: memory of one device in GB (default: the detected CUDA device)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
     return parser.parse_args(argv)
 
@@ -216,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
+        print(describe_memory(cfg, args.world_size or world_size_from_env(), args.gpu_memory_gb or detected_device_gb()))
         return 0
     try:
         train(cfg)
