@@ -39,6 +39,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = None
+    """Attention kernels of the trainer's model (transformers' `attn_implementation`); None = its
+    default (sdpa). `flash_attention_2` needs the flash-attn package and a GPU, and spares Qwen2.5-VL's
+    vision tower the per-window loop SDPA runs."""
 
 
 @dataclass(config=_STRICT)
@@ -297,7 +301,8 @@ class DistributedConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP mixed precision: dtype gradients are reduced in across ranks."""
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in the student's backward."""
+    """Recompute each transformer block's activations in the student's backward (also in a
+    single-process run, the one key of this section that applies there)."""
     cpu_offload_teacher: bool = False
     """Keep the frozen EMA/fixed teacher's shards in CPU memory (CUDA runs; no-op on CPU)."""
 

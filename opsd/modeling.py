@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from opsd.config import ModelConfig
 from opsd.prompts import is_multimodal
@@ -45,8 +45,42 @@ def load_processor(cfg: ModelConfig):
     return processor
 
 
+def model_class(multimodal: bool):
+    return AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+
+
+def _options(cfg: ModelConfig) -> dict:
+    options = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        options["attn_implementation"] = cfg.attn_implementation
+    return options
+
+
 def load_model(cfg: ModelConfig, processor, device: torch.device) -> torch.nn.Module:
     """Master weights in float32; bfloat16 runs use autocast on top."""
-    auto = AutoModelForImageTextToText if is_multimodal(processor) else AutoModelForCausalLM
-    model = auto.from_pretrained(cfg.path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    model = model_class(is_multimodal(processor)).from_pretrained(cfg.path, **_options(cfg))
     return model.to(device)
+
+
+def empty_model(cfg: ModelConfig, processor) -> torch.nn.Module:
+    """The model without its weights: parameters on the meta device, buffers (rotary tables) real.
+
+    Nothing is read from the weight files; under torchrun the ranks shard this and take their
+    shards of the weights rank 0 read (`opsd.trainer.fsdp.load_sharded`).
+    """
+    from accelerate import init_empty_weights
+
+    config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = model_class(is_multimodal(processor)).from_config(config, **_options(cfg))
+    if (Path(cfg.path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(cfg.path)
+    return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each transformer block's activations in the backward (one process or FSDP).
+
+    Non-reentrant checkpointing keeps FSDP's hooks working in the recomputed forward.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -26,7 +26,7 @@ from opsd.data.dataset import describe_data, train_stream
 from opsd.data.errors import BadSampleError
 from opsd.data.validation import prompt_length_check
 from opsd.eval import Evaluator
-from opsd.modeling import load_model, load_processor, prepare_model_dir
+from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout import SamplingSettings, make_engine
 from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
@@ -37,7 +37,7 @@ from opsd.trainer.checkpoint import CheckpointError, TrainingParts
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.device import seed_everything
 from opsd.trainer.distributed import Ranks, init_distributed
-from opsd.trainer.fsdp import shard_model
+from opsd.trainer.fsdp import copy_of_shards, load_sharded
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory, world_size_from_env
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger
 from opsd.trainer.optim import build_optimizer, build_scheduler
@@ -71,11 +71,7 @@ def train(cfg: Config) -> Path:
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
-    # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
-    student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else device)
-    teacher = make_teacher(cfg.teacher, student)
-    if ranks.enabled:
-        student, teacher = shard_models(cfg, ranks, student, teacher)
+    student, teacher = load_student_and_teacher(cfg, processor, ranks)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
     logger = (
@@ -118,7 +114,10 @@ def train(cfg: Config) -> Path:
             checkpoints.step_end(step, record)
             continue
 
-        # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
+        # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step. A
+        #    colocated engine gives its memory to training until the weight sync below.
+        if hasattr(engine, "release_memory"):
+            engine.release_memory()
         lr = scheduler.get_last_lr()[0]
         recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
         metrics = train_step(
@@ -146,7 +145,7 @@ def train(cfg: Config) -> Path:
         record = {
             **metrics, **counts, "lr": lr,
             "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": sync.seconds,
-            "weight_sync_bytes": sync.bytes,
+            "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes,
             **stream.metrics(), **(evaluator.run_if_due(step, engine, ranks) if evaluator else {}),
         }
         logger.log(step, record)
@@ -159,12 +158,22 @@ def train(cfg: Config) -> Path:
     return output_dir
 
 
-def shard_models(cfg: Config, ranks: Ranks, student, teacher):
-    """FSDP2 for the student and for the frozen teacher (a `self` teacher is the student itself)."""
-    sharded = shard_model(student, ranks, cfg.distributed, trainable=True)
-    if teacher is student:
-        return sharded, sharded
-    return sharded, shard_model(teacher, ranks, cfg.distributed, trainable=False)
+def load_student_and_teacher(cfg: Config, processor, ranks: Ranks):
+    """The student and the teacher scoring model (`self`: the student itself).
+
+    Under torchrun both are FSDP2-sharded from empty models: rank 0 alone reads the weight files,
+    every rank receives its shards, and an EMA / fixed teacher copies the student's shards.
+    """
+    student = empty_model(cfg.model, processor) if ranks.enabled else load_model(cfg.model, processor, ranks.device)
+    if cfg.distributed.activation_checkpointing:
+        enable_activation_checkpointing(student)
+    if not ranks.enabled:
+        return student, make_teacher(cfg.teacher, student)
+    read = lambda: load_model(cfg.model, processor, torch.device("cpu")).state_dict()  # noqa: E731
+    student = load_sharded(student, read, ranks, cfg.distributed, trainable=True)
+    if cfg.teacher.mode == "self":
+        return student, student
+    return student, copy_of_shards(empty_model(cfg.model, processor), student, ranks, cfg.distributed)
 
 
 def rank_padding(cfg: Config, processor, sample, pad_id: int):

@@ -62,12 +62,15 @@ MODES = {"fsdp": DistributedConfig(), "hsdp+checkpointing": DistributedConfig(sh
 
 def _worker(rank, port, model_dir, out_dir):
     from opsd.trainer.distributed import Ranks, build_mesh
+    from opsd.modeling import enable_activation_checkpointing
     from opsd.trainer.fsdp import shard_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     for mode, cfg in MODES.items():
         ranks = Ranks(rank, 2, rank, torch.device("cpu"), build_mesh(cfg, torch.device("cpu"), 2))
         student, teacher = load(model_dir)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(student)
         shard_model(student, ranks, cfg, trainable=True)
         shard_model(teacher, ranks, cfg, trainable=False)
         steps = [make_examples(step, student.config.vocab_size) for step in range(len(SPLITS))]

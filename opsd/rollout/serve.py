@@ -48,6 +48,9 @@ def serve_command(cfg: Config, model_path: str, extra_args: list[str] = ()) -> t
         "--seed", str(cfg.train.seed),
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-scale-out",
+        # Sample with exactly the requested settings: by default the server takes the model's
+        # generation_config.json defaults (e.g. Qwen's repetition_penalty 1.05, top_k, top_p).
+        "--generation-config", "vllm",
     ]
     if r.kv_cache_memory_mb:
         argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_mb << 20)]
@@ -88,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         return 0
     print(line, file=sys.stderr, flush=True)
+    from opsd.rollout.vllm_internals import check_vllm_version
+
+    try:
+        check_vllm_version()
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     os.execvpe(command[0], command, {**os.environ, **env})
 
 

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
+
 import torch
 
 from opsd.prompts import Prompt
 from opsd.rollout.colocate import engine_kwargs, generate_in_group
 from opsd.rollout.engine import Completion, SamplingSettings
+from opsd.rollout.vllm_internals import (
+    begin_reload,
+    check_vllm_version,
+    finish_reload,
+    load_bucket,
+    quiet_rotary_reload_warning,
+    reset_caches,
+)
 
 
 def _set_env_defaults() -> None:
@@ -23,13 +31,6 @@ def _set_env_defaults() -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         # vLLM's CPU worker pins threads; without this torch in the same process may fall to one.
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-
-
-def _quiet_rotary_reload_warning() -> None:
-    # Rotary caches are derived buffers, never in a checkpoint; vLLM warns about them on every sync.
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage()
-    )
 
 
 # On CPU, vLLM 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
@@ -58,13 +59,17 @@ class VLLMEngine:
         sleep_mode: bool = False,
     ):
         _set_env_defaults()
+        check_vllm_version()
         from vllm import LLM
 
-        _quiet_rotary_reload_warning()
+        quiet_rotary_reload_warning()
         # vLLM refuses sleep mode on CPU; on GPUs it frees the engine's memory while the trainer trains.
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self._asleep: set[str] = set()
+        self._weights_discarded = False
         self.tensor_parallel_size = tensor_parallel_size
+        self.weight_dtype = getattr(torch, dtype)
+        """The engine's weights are `dtype`: the weight sync casts (and gathers) in it."""
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -80,13 +85,17 @@ class VLLMEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
 
-    # Sleep mode (CUDA): asleep from the end of a rollout to the weight sync, so that training has the
-    # memory. Level 1 offloads the weights to host memory and drops the KV cache. The training
-    # allocator's cached blocks are returned to the driver before waking, or the wake-up can run out.
-    def _sleep(self) -> None:
+    # Sleep mode (CUDA): asleep from the end of the step's rollouts to the weight sync, so that
+    # training has the memory. Level 2 discards the weights (the sync after the step reloads every
+    # one of them; level 1 would copy ~16 GB at 7B to pinned host memory and back for nothing) and the
+    # KV cache; vLLM 0.32 keeps the buffers. The training allocator's cached blocks are returned to
+    # the driver before waking, or the wake-up can run out.
+    def release_memory(self) -> None:
+        """Free the engine's GPU memory until the next weight update (which must follow)."""
         if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_discarded = True
             torch.cuda.empty_cache()
 
     def _wake(self, *tags: str) -> None:
@@ -103,13 +112,11 @@ class VLLMEngine:
         return {"prompt_token_ids": self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]}
 
     def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
-        self._wake("weights", "kv_cache")  # after a skipped step there was no weight sync to wake it
+        if self._weights_discarded:
+            raise RuntimeError("the engine's weights were released (sleep level 2): push weights before sampling")
         if self.tensor_parallel_size > 1:
-            completions = generate_in_group(self._generate, prompts, sampling)
-        else:
-            completions = self._generate(prompts, sampling)
-        self._sleep()
-        return completions
+            return generate_in_group(self._generate, prompts, sampling)
+        return self._generate(prompts, sampling)
 
     def _generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams
@@ -149,13 +156,9 @@ class VLLMEngine:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(finish_reload)
+        self._weights_discarded = False
         self._wake("kv_cache")
-        # Cached KV blocks and image encodings were computed by the old weights. The scheduler
-        # keeps its own record of cached encodings: without this reset the next request with a
-        # known image fails with "Encoder cache miss".
-        self.llm.reset_prefix_cache()
-        self.llm.llm_engine.reset_encoder_cache()
-        self.llm.reset_mm_cache()
+        reset_caches(self.llm)
 
     def weight_checksums(self) -> dict[str, str]:
         """Digest of every engine parameter; lets tests and the demo see that a sync landed."""
@@ -166,50 +169,3 @@ class VLLMEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
         del self.llm
-
-
-# Run inside the vLLM worker (in-process `collective_rpc` passes callables and tensors as they are).
-def begin_reload(worker) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(worker.model_runner.get_model())
-
-
-def load_bucket(worker, bucket) -> None:
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(worker.vllm_config):
-        worker.model_runner.get_model().load_weights(iter(bucket))
-
-
-def finish_reload(worker) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
-        _reprocess_shared_weights(worker.model_runner.get_model())
-    worker.model_runner.reset_encoder_cache()
-    worker.model_runner.reset_mm_cache()
-
-
-def _reprocess_shared_weights(model) -> None:
-    """Redo the post-load step of layers whose weight is another layer's (a tied LM head).
-
-    With tied embeddings vLLM never loads `lm_head.weight` (it is `embed_tokens.weight`), so the
-    reload does not revisit the LM head; on CPU that layer multiplies with a copy of the weight
-    prepacked at load time, which would keep the old embeddings (SmolLM2: off by ~1 nat after one
-    large update). Re-running the step repacks it from the updated tensor.
-    """
-    sharing: dict[int, list] = {}
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor):
-            sharing.setdefault(id(weight), []).append(module)
-    for modules in sharing.values():
-        if len(modules) > 1:
-            for module in modules:
-                if getattr(module, "quant_method", None) is not None:
-                    module.quant_method.process_weights_after_loading(module)

@@ -80,14 +80,12 @@ class ModelShape:
     """Vision tower: layers, hidden, intermediate, patch, merge, image_size (None = text model)."""
 
 
-def meta_model(config, multimodal: bool, attn_implementation: str | None = None) -> torch.nn.Module:
+def meta_model(config, multimodal: bool) -> torch.nn.Module:
     """The model built from `config` on the meta device: exact shapes, no memory, no weights read."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from opsd.modeling import model_class
 
-    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
-        return auto.from_config(config, dtype=torch.float32, **extra)
+        return model_class(multimodal).from_config(config, dtype=torch.float32)
 
 
 def model_shape(config) -> ModelShape:
