@@ -1,0 +1,183 @@
+"""Checkpoints in real runs (tiny VLM, float32, CPU): exact resume, SIGKILL in the middle of a save,
+rotation keeping the best, and the checkpoint's model directory in transformers and vLLM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+import opsd.train
+from opsd.config import PromptConfig, load_config
+from opsd.data.synthetic import load_samples
+from opsd.prompts import placeholder_token_ids, student_prompt
+from opsd.rollout.engine import SamplingSettings
+from opsd.trainer.checkpoint import list_checkpoints, read_trainer_state
+from opsd.trainer.metrics import MetricsLogger
+
+REPO = Path(__file__).parents[2]
+
+
+def overrides(output_dir, tiny_vlm_dir, grid_data_dir, *extra):
+    return [
+        f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}", f"logging.output_dir={output_dir}",
+        "logging.progress_bar=false", "rollout.max_new_tokens=16", "train.max_steps=6", "checkpoint.save_every=3",
+        "checkpoint.resume_from=null", "checkpoint.save_total_limit=null", *extra,
+    ]
+
+
+def run_config(output_dir, tiny_vlm_dir, grid_data_dir, *extra):
+    return load_config(REPO / "configs/demo.yaml", overrides(output_dir, tiny_vlm_dir, grid_data_dir, *extra))
+
+
+def read_metrics(output_dir):
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_weights(path):
+    return {role: load_file(path / role / "model.safetensors") for role in ("model", "teacher")}
+
+
+def assert_same_weights(a, b):
+    for role in a:
+        assert a[role].keys() == b[role].keys()
+        assert all(torch.equal(a[role][k], b[role][k]) for k in a[role]), role
+
+
+def assert_same_steps(records, reference):
+    """Every logged value of every step agrees (wall times aside) to 1e-6."""
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for got, want in zip(records, reference):
+        for key, value in want.items():
+            if not key.startswith("time_"):
+                assert got[key] == pytest.approx(value, abs=1e-6, rel=0), (got["step"], key)
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, tiny_vlm_dir, grid_data_dir):
+    """6 steps without interruption; keeps the trainer's final student and EMA teacher."""
+    output_dir = tmp_path_factory.mktemp("straight") / "run"
+    captured = {}
+
+    def capture_teacher(cfg, student):
+        captured["student"], captured["teacher"] = student, make_teacher(cfg, student)
+        return captured["teacher"]
+
+    make_teacher = opsd.train.make_teacher
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(opsd.train, "make_teacher", capture_teacher)
+        opsd.train.train(run_config(output_dir, tiny_vlm_dir, grid_data_dir))
+    return output_dir, captured
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_resume_continues_exactly(straight_run, tmp_path, tiny_vlm_dir, grid_data_dir, monkeypatch):
+    """6 steps straight == 3 steps, a crash one step after checkpoint-3, a resume, 3 more steps."""
+    reference_dir, _ = straight_run
+    output_dir = tmp_path / "run"
+    engines, make_engine, log = [], opsd.train.make_engine, MetricsLogger.log
+
+    def log_then_crash_at_step_4(self, step, metrics):
+        log(self, step, metrics)
+        if step == 4:
+            raise Interrupted
+
+    monkeypatch.setattr(opsd.train, "make_engine", lambda *a: engines.append(make_engine(*a)) or engines[-1])
+    monkeypatch.setattr(MetricsLogger, "log", log_then_crash_at_step_4)
+    with pytest.raises(Interrupted):
+        opsd.train.train(run_config(output_dir, tiny_vlm_dir, grid_data_dir))
+    engines.pop().close()
+    assert [c.step for c in list_checkpoints(output_dir)] == [3]
+    assert [r["step"] for r in read_metrics(output_dir)] == [1, 2, 3, 4]
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    opsd.train.train(run_config(output_dir, tiny_vlm_dir, grid_data_dir, "checkpoint.resume_from=auto"))
+
+    records = read_metrics(output_dir)  # step 4 of the crashed run is replaced, not duplicated
+    assert_same_steps(records, read_metrics(reference_dir))
+    assert records[3]["logprob_mismatch_max"] < 1e-3  # the engine got the restored weights
+    assert_same_weights(checkpoint_weights(output_dir / "checkpoint-6"), checkpoint_weights(reference_dir / "checkpoint-6"))
+    assert read_trainer_state(output_dir / "checkpoint-6")["data_stream"] == read_trainer_state(reference_dir / "checkpoint-6")["data_stream"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sigkill_mid_save_resumes_from_previous_checkpoint(straight_run, tmp_path, tiny_vlm_dir, grid_data_dir):
+    reference_dir, _ = straight_run
+    output_dir = tmp_path / "run"
+    # The final save is killed after its model directories and training state are written,
+    # before the manifest and the rename.
+    env = {**os.environ, "OPSD_FAULT_INJECT": "save:train_state@6"}
+    args = ["--config", "configs/demo.yaml", *overrides(output_dir, tiny_vlm_dir, grid_data_dir)]
+    proc = subprocess.run([sys.executable, "-m", "opsd.train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (output_dir / "checkpoint-6.tmp" / "train_state" / ".metadata").is_file()
+    assert [c.step for c in list_checkpoints(output_dir)] == [3]
+
+    opsd.train.train(run_config(output_dir, tiny_vlm_dir, grid_data_dir, "checkpoint.resume_from=auto"))
+    assert not (output_dir / "checkpoint-6.tmp").exists()
+    assert [c.step for c in list_checkpoints(output_dir)] == [3, 6]
+    # A fresh process resumed from checkpoint-3 and still took exactly the uninterrupted run's steps.
+    assert_same_steps(read_metrics(output_dir), read_metrics(reference_dir))
+    assert_same_weights(checkpoint_weights(output_dir / "checkpoint-6"), checkpoint_weights(reference_dir / "checkpoint-6"))
+
+
+@pytest.mark.vllm
+def test_checkpoint_model_dir_loads_in_transformers_and_vllm(straight_run, grid_data_dir):
+    from opsd.rollout.vllm_engine import VLLMEngine
+
+    reference_dir, trained = straight_run
+    model_dir = reference_dir / "checkpoint-6" / "model"
+    processor = AutoProcessor.from_pretrained(model_dir)
+    loaded = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    for role, model in (("model", loaded), ("teacher", AutoModelForImageTextToText.from_pretrained(model_dir.parent / "teacher"))):
+        state = trained["student" if role == "model" else "teacher"].state_dict()
+        assert all(torch.equal(t, state[name]) for name, t in model.state_dict().items()), role
+
+    prompts = [student_prompt(s, processor, PromptConfig()) for s in load_samples(grid_data_dir / "eval.parquet")[:3]]
+    sampling = SamplingSettings(max_new_tokens=12, n=2, seed=5, banned_token_ids=placeholder_token_ids(processor))
+    engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64)
+    try:
+        completions = engine.generate(prompts, sampling)
+    finally:
+        engine.close()
+    from_engine = engine_logprobs(completions)
+    from_trainer = trainer_logprobs(trained["student"], processor, prompts, completions)
+    from_transformers = trainer_logprobs(loaded, processor, prompts, completions)
+    assert (from_engine - from_trainer).abs().max() < TOLERANCE
+    assert (from_transformers - from_trainer).abs().max() < TOLERANCE
+
+
+def test_rotation_keeps_the_best_checkpoint(tmp_path, tiny_vlm_dir, grid_data_dir):
+    # `lr` as the metric makes the best step known in advance: one warm-up step (lr 0 at step 1),
+    # the peak at step 2, cosine decay after. Checkpoint-2 must outlive checkpoints 1 and 3.
+    output_dir = tmp_path / "run"
+    cfg = run_config(
+        output_dir, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "rollout.max_new_tokens=8",
+        "train.max_steps=4", "optim.warmup_steps=1", "checkpoint.save_every=1", "checkpoint.save_total_limit=1",
+        "checkpoint.metric_for_best_model=lr", "checkpoint.greater_is_better=true",
+    )
+    opsd.train.train(cfg)
+    lrs = {r["step"]: r["lr"] for r in read_metrics(output_dir)}
+    assert max(lrs, key=lrs.get) == 2
+    assert [c.step for c in list_checkpoints(output_dir)] == [2, 4]
+    best = read_trainer_state(output_dir / "checkpoint-4")["best"]
+    assert best == {"metric": "lr", "value": lrs[2], "step": 2, "checkpoint": "checkpoint-2"}
+
+
+def test_cli_reports_checkpoint_errors(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
+    args = ["--config", "configs/demo.yaml", *overrides(tmp_path, tiny_vlm_dir, grid_data_dir, f"checkpoint.resume_from={tmp_path / 'nowhere'}")]
+    assert opsd.train.main(args) == 2
+    assert "no opsd checkpoint at" in capsys.readouterr().err
