@@ -112,7 +112,7 @@ def start_run(cfg: Config) -> Run:
     processor = load_processor(cfg.model)
     # Datasets are opened (and checked against the config) before any weights are loaded.
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
-    stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor))
+    stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor), sharded=ranks.enabled)
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG

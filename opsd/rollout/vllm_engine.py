@@ -106,8 +106,16 @@ class VLLMEngine:
             return generate_in_group(self._generate, prompts, sampling)
         return self._generate(prompts, sampling)
 
+    @property
+    def generate_is_collective(self) -> bool:
+        """Every rank of a tensor-parallel engine must call `generate`, with or without prompts."""
+        return self.tensor_parallel_size > 1
+
     def _generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams
+
+        if not prompts:
+            return []
 
         params = [SamplingParams(**sampling_params(sampling, i), skip_special_tokens=True) for i in range(len(prompts))]
         outputs = self.llm.generate([self._request(p) for p in prompts], params, use_tqdm=False)
