@@ -179,6 +179,13 @@ def _prepare(out_dir, marker: dict, overwrite: bool) -> tuple[pathlib.Path, bool
     return out, False
 
 
+def _save_random_model(model_class, config, tokenizer, seed: int, out: pathlib.Path) -> None:
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config = _generation_config(tokenizer)
+    model.save_pretrained(out)
+
+
 def _finish(out: pathlib.Path, marker: dict) -> pathlib.Path:
     # Written last, so a half-written directory is never mistaken for a finished build.
     (out / "tiny_model.json").write_text(json.dumps(marker))
@@ -193,10 +200,7 @@ def build_tiny_text_model(out_dir, *, seed: int = 0, overwrite: bool = False) ->
         return out
     tokenizer = build_tokenizer()
     config = Qwen2Config(**_text_kwargs(tokenizer), use_sliding_window=False)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = _generation_config(tokenizer)
-    model.save_pretrained(out)
+    _save_random_model(Qwen2ForCausalLM, config, tokenizer, seed, out)
     tokenizer.save_pretrained(out)
     return _finish(out, marker)
 
@@ -223,10 +227,7 @@ def build_tiny_vlm(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathli
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
-    model.generation_config = _generation_config(tokenizer)
-    model.save_pretrained(out)
+    _save_random_model(Idefics3ForConditionalGeneration, config, tokenizer, seed, out)
     # Fixed 56x56 input, no tiling: every image costs the same small number of tokens.
     image_processor = Idefics3ImageProcessorPil(
         do_image_splitting=False,
@@ -270,10 +271,7 @@ def build_tiny_qwen25_vl(out_dir, *, seed: int = 0, overwrite: bool = False) -> 
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = _generation_config(tokenizer)
-    model.save_pretrained(out)
+    _save_random_model(Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed, out)
     # 28x28 to 56x56 pixels: 1 to 4 image tokens per image, varying with the aspect ratio.
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=28 * 28, max_pixels=IMAGE_SIZE * IMAGE_SIZE, image_mean=[0.5] * 3, image_std=[0.5] * 3

@@ -8,12 +8,9 @@ The weight sync's per-unit gather returns the same full tensors, in bfloat16 at 
 """
 
 import shutil
-import socket
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from PIL import Image
 
 from opsd.config import DistributedConfig, ModelConfig
@@ -21,6 +18,7 @@ from opsd.modeling import empty_model, load_model, load_processor
 from opsd.prompts import Prompt
 from opsd.scoring import completion_logits
 from opsd.sequences import collate, encode_prompt
+from tests.helpers.spawn import run_two_ranks
 
 
 def image_batch(processor):
@@ -66,28 +64,11 @@ def _worker(rank, port, model_dirs, out_dir):
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path, tiny_qwen_vl_dir):
     no_weights = tmp_path / "no-weights"
     shutil.copytree(tiny_qwen_vl_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
     assert not list(no_weights.glob("*.safetensors"))
-    ctx, port = mp.get_context("spawn"), free_port()
-    dirs = [str(tiny_qwen_vl_dir), str(no_weights)]
-    procs = [ctx.Process(target=_worker, args=(r, port, dirs, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240
-    for p in procs:
-        p.join(timeout=max(1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank crashed or hung"
+    run_two_ranks(_worker, [str(tiny_qwen_vl_dir), str(no_weights)], str(tmp_path))
 
     cfg = ModelConfig(path=str(tiny_qwen_vl_dir))
     processor = load_processor(cfg)
