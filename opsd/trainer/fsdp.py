@@ -14,6 +14,7 @@ student's shards, never of a full model.
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import torch
 from torch import nn
@@ -25,9 +26,6 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-
-from typing import Callable
-
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from opsd.config import DistributedConfig

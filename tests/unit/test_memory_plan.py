@@ -84,3 +84,9 @@ def test_dry_run_prints_the_memory_plan(capsys):
     assert "memory plan per rank: world size 8" in out and "fits: peak" in out
     assert main(["--config", "configs/visual_opsd_qwen25vl_7b.yaml", "--dry-run", "--world-size", "1", "--gpu-memory-gb", "80"]) == 0
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_the_qwen3_text_recipe_fits_one_gpu_of_80_gb():
+    plan = plan_memory(load_config("configs/text_opsd_qwen3_1p7b.yaml"), world_size=1, device_gb=80)
+    assert plan.shape.parameters == 1_720_574_976  # Qwen3-1.7B, tied embeddings
+    assert plan.fits, plan.describe()
