@@ -31,6 +31,8 @@ def _image_only_class(processor_cls: type) -> type:
             out.mkdir(parents=True, exist_ok=True)
             self.tokenizer.save_pretrained(out)
             self.image_processor.save_pretrained(out)
+            if isinstance(self.chat_template, str):
+                (out / "chat_template.jinja").write_text(self.chat_template)
             (out / PROCESSOR_CONFIG).write_text(json.dumps({"processor_class": processor_cls.__name__}, indent=1))
             return [str(out / PROCESSOR_CONFIG)]
 

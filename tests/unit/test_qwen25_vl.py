@@ -105,3 +105,16 @@ def test_padded_batch_scores_equal_one_unpadded_forward_per_row(qwen):
     with torch.no_grad():
         flat = completion_logits(model, batch).log_softmax(-1).gather(-1, batch.completion_ids[:, None])[:, 0]
     assert (flat - torch.cat(expected)).abs().max() > 1e-4
+
+
+def test_the_image_only_processor_saves_and_loads_back(qwen, tmp_path, tiny_qwen_vl_dir):
+    import shutil
+
+    processor, _ = qwen
+    processor.save_pretrained(tmp_path)  # what a checkpoint's model/ directory gets
+    shutil.copy(tiny_qwen_vl_dir / "config.json", tmp_path)
+    again = load_processor(ModelConfig(path=str(tmp_path)))
+    assert type(again).__name__ == "Qwen2_5_VLProcessor" and again.video_processor is None
+    prompt = prompt_of(processor, *ROWS[0][:2])
+    assert prompt_of(again, *ROWS[0][:2]).text == prompt.text
+    assert encode_prompt(again, prompt).input_ids == encode_prompt(processor, prompt).input_ids
