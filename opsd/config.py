@@ -204,8 +204,9 @@ class RolloutConfig:
     """Under torchrun: ranks per vLLM engine (consecutive ranks share one tensor-parallel engine, vLLM's
     external launcher); 1 = one engine per rank. GPU only in practice."""
     sleep_mode: bool = True
-    """On CUDA: the vLLM engine sleeps while the trainer trains (weights offloaded, KV cache freed) and
-    wakes for the weight sync. Ignored on CPU, where vLLM has no sleep mode."""
+    """On CUDA: the vLLM engine sleeps at level 2 while the trainer trains (weights discarded, as the
+    weight sync after the step reloads them all; KV cache freed) and wakes for the sync. Ignored on
+    CPU, where vLLM has no sleep mode."""
 
     @field_validator("engine")
     @classmethod
