@@ -88,6 +88,7 @@ def _worker(rank, port, model_dir, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_with_uneven_and_empty_shares_match_one_process(tmp_path, tiny_text_dir):
     run_two_ranks(_worker, str(tiny_text_dir), str(tmp_path))
 

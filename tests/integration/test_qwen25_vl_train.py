@@ -3,11 +3,14 @@
 import json
 import math
 
+import pytest
+
 from opsd.config import load_config
 from opsd.train import train
 from tests.helpers.datafiles import write_thinkmorph
 
 
+@pytest.mark.slow
 def test_three_steps_on_thinkmorph_rows_with_the_hf_engine(tmp_path, tiny_qwen_vl_dir):
     data = write_thinkmorph(tmp_path / "tm.parquet", n_good=8, defects=[])
     cfg = load_config("configs/demo.yaml", [

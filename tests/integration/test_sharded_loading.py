@@ -9,6 +9,7 @@ The weight sync's per-unit gather returns the same full tensors, in bfloat16 at 
 
 import shutil
 
+import pytest
 import torch
 import torch.distributed as dist
 from PIL import Image
@@ -64,6 +65,7 @@ def _worker(rank, port, model_dirs, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_only_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path, tiny_qwen_vl_dir):
     no_weights = tmp_path / "no-weights"
     shutil.copytree(tiny_qwen_vl_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
