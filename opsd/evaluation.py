@@ -69,7 +69,9 @@ def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig,
     roles = [("", student_prompt)] + ([("teacher_", teacher_prompt)] if cfg.with_teacher_prompt else [])
     counts = []
     for _, render in roles:
-        completions = engine.generate([render(s, processor, prompt_cfg) for s in mine], settings) if mine else []
+        # A tensor-parallel engine samples as a group: every rank of it calls, even with nothing to ask.
+        collective = getattr(engine, "generate_is_collective", False)
+        completions = engine.generate([render(s, processor, prompt_cfg) for s in mine], settings) if mine or collective else []
         texts = [c.text for c in sorted(completions, key=lambda c: c.prompt_index)]
         counts.append(sum(is_correct(t, s.answer, cfg.answer_pattern) for t, s in zip(texts, mine, strict=True)))
         counts.append(sum(extract_answer(t, cfg.answer_pattern) is not None for t in texts))
