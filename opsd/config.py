@@ -42,9 +42,10 @@ class ModelConfig:
 
 @dataclass(config=_STRICT)
 class SyntheticDataConfig:
-    kind: Literal["grid-paths", "arithmetic"] = "grid-paths"
+    kind: Literal["grid-paths", "arithmetic", "facts"] = "grid-paths"
     """`grid-paths`: maze images with visual thoughts (project schema, parquet); `arithmetic`: word
-    problems with worked solutions (text schema, jsonl)."""
+    problems with worked solutions (text schema, jsonl); `facts`: questions about `n_eval` fictional
+    facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl)."""
     n_train: Annotated[int, Field(gt=0)] = 256
     n_eval: Annotated[int, Field(ge=0)] = 32
     seed: int = 0
@@ -52,7 +53,7 @@ class SyntheticDataConfig:
     """grid-paths only."""
 
 
-SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text"}
+SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text"}
 COLUMN_FIELDS = Literal["id", "question", "answer", "images", "privileged_images", "privileged_text"]
 
 
