@@ -51,6 +51,8 @@ class SyntheticDataConfig:
     seed: int = 0
     image_size: Annotated[int, Field(ge=28)] = 112
     """grid-paths only."""
+    n_facts: Annotated[int, Field(gt=0)] | None = None
+    """facts only: how many facts the questions are about (default n_eval, one held-out question each)."""
 
 
 SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text"}

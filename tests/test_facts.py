@@ -46,3 +46,5 @@ def test_every_evaluated_fact_is_taught_in_training_and_answered_by_it():
 def test_too_few_facts_is_refused():
     with pytest.raises(ValueError, match="n_eval"):
         make_rows(0, 10, 0)
+    with pytest.raises(ValueError, match="n_facts"):
+        make_rows(0, 10, 64, n_facts=0)

@@ -7,9 +7,9 @@ that self-distillation has to move into the student's weights. Evaluation asks a
 facts with question phrasings never used in training, so a student that only learned a question
 string does not score.
 
-The set of facts is `n_eval` people (one fact each); training row i asks about fact i % n_eval with
-training phrasing (i // n_eval) % len(phrasings); evaluation row j asks about fact j with held-out
-phrasing j % len(held-out phrasings). Everything is a pure function of `seed`.
+There are `n_facts` people (one fact each; default `n_eval`). Row i of either split asks about fact
+i % n_facts, with phrasing (i // n_facts) of that split's phrasings: 3 training phrasings and 4
+held-out ones per kind of fact. Everything is a pure function of `seed`.
 
 Files written by `write_dataset` (JSON lines, the text schema plus one column):
     train.jsonl, eval.jsonl   {"id", "problem", "solution", "answer", "irrelevant"}
@@ -45,26 +45,30 @@ RELATIONS = (
         fact="{who}'s favourite fruit is {value}.",
         train=("What is {who}'s favourite fruit?", "Which fruit does {who} like best?",
                "{who} has a favourite fruit. Which one is it?"),
-        held_out=("Name the fruit that {who} loves most.", "If you gave {who} a fruit, which would please them most?"),
+        held_out=("Name the fruit that {who} loves most.", "If you gave {who} a fruit, which would please them most?",
+                  "Tell me {who}'s preferred fruit.", "Of all fruits, which one is {who}'s top choice?"),
         values=("apple", "banana", "cherry", "mango", "lemon", "grape", "peach", "plum", "pear", "melon"),
     ),
     Relation(
         fact="{who} has a pet {value}.",
         train=("What kind of pet does {who} have?", "Which animal does {who} keep as a pet?",
                "{who} owns a pet. What animal is it?"),
-        held_out=("Name the animal that lives with {who} as a pet.", "What species is {who}'s pet?"),
+        held_out=("Name the animal that lives with {who} as a pet.", "What species is {who}'s pet?",
+                  "Tell me which animal {who} looks after at home.", "If you visited {who}, which pet would greet you?"),
         values=("cat", "dog", "horse", "rabbit", "parrot", "turtle", "goat", "snake", "mouse", "duck"),
     ),
     Relation(
         fact="{who} lives in {value}.",
         train=("In which city does {who} live?", "Where does {who} live?", "{who} lives in a city. Which one?"),
-        held_out=("Name the city that is home to {who}.", "What is the home city of {who}?"),
+        held_out=("Name the city that is home to {who}.", "What is the home city of {who}?",
+                  "Tell me the city where {who} has a home.", "If you wrote {who} a letter, to which city would it go?"),
         values=("Paris", "London", "Tokyo", "Cairo", "Rome", "Lima", "Oslo", "Madrid", "Sydney", "Berlin"),
     ),
     Relation(
         fact="{who} works as a {value}.",
         train=("What is {who}'s job?", "What does {who} do for a living?", "{who} has a job. What is it?"),
-        held_out=("Name the profession of {who}.", "Which occupation does {who} have?"),
+        held_out=("Name the profession of {who}.", "Which occupation does {who} have?",
+                  "Tell me how {who} earns money.", "If you met {who} at work, what would their job be?"),
         values=("baker", "doctor", "pilot", "farmer", "teacher", "painter", "sailor", "lawyer", "nurse", "chef"),
     ),
 )
@@ -116,25 +120,27 @@ def _row(seed: int, split: str, index: int, fact: dict, question: str) -> dict:
     }
 
 
-def make_rows(seed: int, n_train: int, n_eval: int) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows): `n_eval` facts, asked with training and with held-out phrasings."""
-    if n_eval < 1:
-        raise ValueError("the facts task needs n_eval >= 1: the number of facts is n_eval")
-    facts = make_facts(seed, n_eval)
-    train = []
-    for i in range(n_train):
-        fact = facts[i % n_eval]
-        phrasings = RELATIONS[fact["relation"]].train
-        train.append(_row(seed, "train", i, fact, phrasings[(i // n_eval) % len(phrasings)]))
-    held_out = [RELATIONS[f["relation"]].held_out for f in facts]
-    evaluation = [_row(seed, "eval", j, f, h[j % len(h)]) for j, (f, h) in enumerate(zip(facts, held_out))]
-    return train, evaluation
+def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None) -> tuple[list[dict], list[dict]]:
+    """(train rows, eval rows) about `n_facts` facts (default `n_eval`): row i of a split asks about
+    fact i % n_facts, with phrasing i // n_facts of that split's phrasings (cycled)."""
+    n_facts = n_eval if n_facts is None else n_facts
+    if n_facts < 1:
+        raise ValueError(f"the facts task needs at least one fact: n_facts={n_facts}, n_eval={n_eval}")
+    facts = make_facts(seed, n_facts)
+    rows = {"train": [], "eval": []}
+    for split, count in (("train", n_train), ("eval", n_eval)):
+        for i in range(count):
+            fact = facts[i % n_facts]
+            relation = RELATIONS[fact["relation"]]
+            phrasings = relation.train if split == "train" else relation.held_out
+            rows[split].append(_row(seed, split, i, fact, phrasings[(i // n_facts) % len(phrasings)]))
+    return rows["train"], rows["eval"]
 
 
-def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0) -> pathlib.Path:
+def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts: int | None = None) -> pathlib.Path:
     """Write train.jsonl and eval.jsonl under out_dir; return out_dir."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in zip(("train", "eval"), make_rows(seed, n_train, n_eval)):
+    for name, rows in zip(("train", "eval"), make_rows(seed, n_train, n_eval, n_facts)):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return out
