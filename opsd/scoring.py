@@ -1,10 +1,20 @@
-"""Score completions: next-token logits of a model on the completion positions only."""
+"""Score completions with both roles: logits on the completion positions, per-token terms of the loss.
+
+`score_micro_batch` is the shared core of a training step and of offline rollout dumps: the student
+forward (with grad when enabled), the teacher forward without, and on the completion tokens the
+per-token distillation term (`distill`) and the student's logprob of each sampled token.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
-from opsd.sequences import ForwardBatch
+from opsd.config import LossConfig
+from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
+from opsd.sequences import Example, ForwardBatch, collate
 
 SCORING_METHOD = "opsd_completion_logits"
 """A sharded (FSDP2) model scores through this method of its own, registered as an FSDP forward
@@ -28,3 +38,65 @@ def forward_completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
     inputs = {k: v.to(device) for k, v in batch.inputs.items()}
     hidden = model.model(**inputs).last_hidden_state
     return model.get_output_embeddings()(hidden[batch.predicts_completion.to(device)])
+
+
+def autocast(device: torch.device, dtype: str):
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def distillation_terms(student_logits, teacher_logits, sampled_ids, engine_logprobs, cfg: LossConfig) -> torch.Tensor:
+    """Per-token distillation term [N] of the configured loss kind (`distill` everywhere in opsd)."""
+    if cfg.kind == "tinker":
+        return tinker_loss(
+            student_logits, teacher_logits, sampled_ids,
+            temperature=cfg.temperature, sampler_logprobs=engine_logprobs,
+        )
+    return generalized_jsd(
+        student_logits, teacher_logits, beta=cfg.beta, temperature=cfg.temperature,
+        top_k=cfg.top_k, token_clip=cfg.token_clip, clip_mode=cfg.clip_mode, chunk_size=cfg.chunk_size,
+    )
+
+
+def weighted_loss(distill, ce, cfg: LossConfig):
+    """The loss from its two parts (per token, or summed): the one place the formula is written."""
+    return cfg.jsd_weight * distill + cfg.ce_weight * ce
+
+
+@dataclass
+class ScoredBatch:
+    """Both roles' scores of one micro-batch, on its completion tokens in row-major order."""
+
+    sampled_ids: torch.Tensor  # [N] the completion tokens
+    engine_logprobs: torch.Tensor  # [N] the sampler's logprob of each
+    student_logits: torch.Tensor  # [N, V], with grad when the caller enabled it
+    teacher_logits: torch.Tensor  # [N, V], no grad
+    distill: torch.Tensor  # [N] per-token distillation term of the loss
+    student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
+
+    def token_losses(self, cfg: LossConfig) -> torch.Tensor:
+        """[N] per-token loss: distillation term plus CE on the sampled token, weighted."""
+        return weighted_loss(self.distill, -self.student_logprobs, cfg)
+
+
+def score_micro_batch(
+    student: torch.nn.Module, teacher: torch.nn.Module, micro: list[Example], *,
+    loss_cfg: LossConfig, dtype: str, pad_id: int,
+) -> ScoredBatch:
+    """Student forward (with grad when enabled), teacher forward without, per-token terms."""
+    device = next(student.parameters()).device
+    completions = [e.completion_ids for e in micro]
+    student_batch = collate([e.student for e in micro], completions, pad_id)
+    teacher_batch = collate([e.teacher for e in micro], completions, pad_id)
+    sampled = student_batch.completion_ids.to(device)
+    engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
+
+    with autocast(device, dtype):
+        student_logits = completion_logits(student, student_batch)
+        with torch.no_grad():
+            teacher_logits = completion_logits(teacher, teacher_batch)
+    distill = distillation_terms(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
+    with torch.set_grad_enabled(loss_cfg.ce_weight > 0 and torch.is_grad_enabled()):
+        student_logprobs = token_logprobs(student_logits, sampled)
+    return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from opsd.data.errors import BadSample
+from opsd.data.sample import Sample
 from opsd.prompts import Prompt, is_multimodal, teacher_prompt
 
 
@@ -78,6 +80,20 @@ def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: 
                 inputs[key] = torch.cat([v[key] for v in with_images])
     completion_ids = torch.tensor([t for c in completions for t in c], dtype=torch.long)
     return ForwardBatch(inputs, predicts, completion_ids)
+
+
+def prompt_length_check(processor, prompt_cfg, max_forward_tokens: int):
+    """A check raising `BadSample("prompt_too_long")` when a sample's teacher prompt leaves no room
+    for a completion within `max_forward_tokens` (the engine would refuse it, and there would be
+    nothing to train on). The teacher prompt holds the student's and more, so it is the one measured.
+    """
+
+    def check(sample: Sample) -> None:
+        length = len(encode_prompt(processor, teacher_prompt(sample, processor, prompt_cfg)).input_ids)
+        if length >= max_forward_tokens:
+            raise BadSample("prompt_too_long", f"teacher prompt of {length} tokens >= train.max_forward_tokens={max_forward_tokens}")
+
+    return check
 
 
 def completion_budget(student: EncodedPrompt, teacher: EncodedPrompt, max_forward_tokens: int) -> int:

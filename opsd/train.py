@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -24,46 +25,87 @@ from tqdm.auto import tqdm
 from opsd.config import Config, ConfigError, config_to_dict, load_config
 from opsd.data.dataset import describe_data, train_stream
 from opsd.data.errors import BadSampleError
-from opsd.data.validation import prompt_length_check
-from opsd.eval import Evaluator
+from opsd.data.stream import SampleStream
+from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
+from opsd.evaluation import Evaluator
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import is_multimodal, placeholder_token_ids, student_prompt, teacher_prompt
-from opsd.rollout import SamplingSettings, make_engine
-from opsd.rollout.dumps import ROLLOUTS_SUBDIR, recorder_for_step
+from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
+from opsd.rollout import RolloutEngine, make_engine, sampling_settings
 from opsd.rollout.weight_sync import push_weights
-from opsd.sequences import build_sample_examples, encode_prompt, padding_example
+from opsd.sequences import Example, build_sample_examples, encode_prompt, padding_example, prompt_length_check
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts
 from opsd.trainer.checkpoint_manager import CheckpointManager
-from opsd.trainer.device import seed_everything
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import shard_model
-from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger
+from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer
 from opsd.trainer.optim import build_optimizer, build_scheduler
+from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import train_step
 
 
-def sampling_settings(cfg: Config, step: int, processor, first_prompt: int = 0) -> SamplingSettings:
-    """Prompt i of the call samples with seed `seed + i`; `first_prompt` (the index of the call's first
-    prompt in the step's global batch) makes a prompt's seed the same whichever rank samples it."""
-    r = cfg.rollout
-    return SamplingSettings(
-        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        n=r.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007 + first_prompt,
-        banned_token_ids=placeholder_token_ids(processor),
-    )
-
-
 def train(cfg: Config) -> Path:
+    run = start_run(cfg)
+    progress = cfg.logging.progress_bar and run.ranks.is_main
+    steps = range(run.start_step + 1, cfg.train.max_steps + 1)
+    for step in tqdm(steps, initial=run.start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
+        timer, lr = StageTimer(), run.scheduler.get_last_lr()[0]
+        with timer("rollout"):
+            samples, prompts, completions = sample(run, step)
+        with timer("train"):
+            examples, counts, step_tokens = build_sequences(run, samples, prompts, completions)
+        if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
+            finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr})
+            continue
+        recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
+        with timer("train"):
+            metrics = update_student(run, examples, step_tokens, recorder, samples[0])
+            run.scheduler.step()
+            update_teacher(cfg.teacher, run.teacher, run.student)
+        with timer("weight_sync"):  # the next rollouts are on-policy
+            sync = push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+        record = {**metrics, **counts, "lr": lr, **timer.record(), "weight_sync_bytes": sync.bytes}
+        finish_step(run, step, record, rollouts=(recorder, examples, samples) if recorder else None)
+    end_run(run)
+    return run.output_dir
+
+
+@dataclass
+class Run:
+    """What a run holds while it trains; built by `start_run`."""
+
+    cfg: Config
+    output_dir: Path
+    ranks: Ranks
+    processor: Any
+    stream: SampleStream
+    evaluator: Evaluator | None
+    engine: RolloutEngine
+    student: torch.nn.Module
+    teacher: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    logger: MetricsLogger | NullMetricsLogger
+    checkpoints: CheckpointManager
+    start_step: int = 0
+
+    @property
+    def pad_id(self) -> int:
+        return getattr(self.processor, "tokenizer", self.processor).pad_token_id
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.cfg.train.prompts_per_micro_step * self.cfg.train.grad_accum_steps
+
+
+def start_run(cfg: Config) -> Run:
+    """Process group, data, engine, models, optimizer, logger; resumed from a checkpoint when asked."""
     output_dir = Path(cfg.logging.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     ranks = init_distributed(cfg.distributed, cfg.train.device)  # before the engine: vLLM joins this group
-    device = ranks.device
     checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
-
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
-    pad_id = getattr(processor, "tokenizer", processor).pad_token_id
     # Datasets are opened (and checked against the config) before any weights are loaded.
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor))
@@ -71,7 +113,7 @@ def train(cfg: Config) -> Path:
     engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
     # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
-    student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else device)
+    student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else ranks.device)
     teacher = make_teacher(cfg.teacher, student)
     if ranks.enabled:
         student, teacher = shard_models(cfg, ranks, student, teacher)
@@ -88,74 +130,63 @@ def train(cfg: Config) -> Path:
     # weights), while the student may come from a checkpoint.
     push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
     checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
-    prompts_per_step = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
+    return Run(cfg, output_dir, ranks, processor, stream, evaluator, engine, student, teacher,
+               optimizer, scheduler, logger, checkpoints, start_step)
 
-    steps = range(start_step + 1, cfg.train.max_steps + 1)
-    progress = cfg.logging.progress_bar and ranks.is_main
-    for step in tqdm(steps, initial=start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
-        # 1. Sample completions from the current student weights (each rank its own prompts).
-        t0 = time.perf_counter()
-        samples = stream.take(prompts_per_step, rank=ranks.rank, world_size=ranks.world_size)
-        student_prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
-        sampling = sampling_settings(cfg, step, processor, first_prompt=ranks.rank * prompts_per_step)
-        completions = engine.generate(student_prompts, sampling)
 
-        # 2. Student and teacher sequences end with the identical completion ids.
-        t1 = time.perf_counter()
-        examples, counts = build_sample_examples(
-            processor, cfg.prompts, samples, student_prompts, completions, cfg.train.max_forward_tokens
-        )
-        # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
-        *dropped, step_tokens = map(int, ranks.sum([*counts.values(), sum(len(e.completion_ids) for e in examples)]))
-        counts = dict(zip(counts, dropped))
-        if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
-            record = {
-                "skipped_step": 1, **counts, "lr": scheduler.get_last_lr()[0],
-                **stream.metrics(), **(evaluator.run_if_due(step, engine, ranks) if evaluator else {}),
-            }
-            logger.log(step, record)
-            checkpoints.step_end(step, record)
-            continue
+def sample(run: Run, step: int):
+    """This rank's prompts of the step, and completions sampled from the current student weights."""
+    cfg, per_rank = run.cfg, run.prompts_per_step
+    samples = run.stream.take(per_rank, rank=run.ranks.rank, world_size=run.ranks.world_size)
+    prompts = [student_prompt(s, run.processor, cfg.prompts) for s in samples]
+    sampling = sampling_settings(cfg, step, run.processor, first_prompt=run.ranks.rank * per_rank)
+    return samples, prompts, run.engine.generate(prompts, sampling)
 
-        # 3. Score with both roles, loss over the whole step's tokens, backward, optimizer step.
-        lr = scheduler.get_last_lr()[0]
-        recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
-        metrics = train_step(
-            student, teacher, examples, optimizer,
-            loss_cfg=cfg.loss,
-            micro_batch_size=cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt,
-            max_grad_norm=cfg.optim.max_grad_norm,
-            dtype=cfg.model.dtype,
-            pad_id=pad_id,
-            on_scored=recorder.collect if recorder else None,
-            ranks=ranks,
-            total_tokens=step_tokens,
-            padding=rank_padding(cfg, processor, samples[0], pad_id) if ranks.enabled else None,
-        )
-        scheduler.step()
-        update_teacher(cfg.teacher, teacher, student)
 
-        # 4. Push the new weights into the engine so the next rollouts are on-policy. Every rank takes
-        #    part in gathering each full tensor from the shards and pushes it into its own engine.
-        t2 = time.perf_counter()
-        sync = push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+def build_sequences(run: Run, samples, prompts, completions) -> tuple[list[Example], dict[str, int], int]:
+    """Student and teacher sequences ending with the identical completion ids; what was dropped or
+    cut (summed over ranks); the completion tokens of all ranks."""
+    examples, counts = build_sample_examples(
+        run.processor, run.cfg.prompts, samples, prompts, completions, run.cfg.train.max_forward_tokens
+    )
+    # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
+    *dropped, step_tokens = map(int, run.ranks.sum([*counts.values(), sum(len(e.completion_ids) for e in examples)]))
+    return examples, dict(zip(counts, dropped)), step_tokens
 
-        if recorder:
-            recorder.write(output_dir / ROLLOUTS_SUBDIR, step, examples, samples, processor, cfg.prompts)
-        record = {
-            **metrics, **counts, "lr": lr,
-            "time_rollout_s": t1 - t0, "time_train_s": t2 - t1, "time_weight_sync_s": sync.seconds,
-            "weight_sync_bytes": sync.bytes,
-            **stream.metrics(), **(evaluator.run_if_due(step, engine, ranks) if evaluator else {}),
-        }
-        logger.log(step, record)
-        checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
 
-    logger.close()
-    ranks.barrier()
-    engine.close()
-    ranks.close()
-    return output_dir
+def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample) -> dict:
+    """Score with both roles, loss over the whole step's tokens, backward, optimizer step."""
+    cfg = run.cfg
+    return train_step(
+        run.student, run.teacher, examples, run.optimizer,
+        loss_cfg=cfg.loss,
+        micro_batch_size=cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        dtype=cfg.model.dtype,
+        pad_id=run.pad_id,
+        on_scored=recorder.collect if recorder else None,
+        ranks=run.ranks,
+        total_tokens=step_tokens,
+        padding=rank_padding(cfg, run.processor, sample, run.pad_id) if run.ranks.enabled else None,
+    )
+
+
+def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None) -> None:
+    """The end of every step, trained or skipped: rollout dumps, evaluation when due, log, checkpoint."""
+    if rollouts:
+        recorder, examples, samples = rollouts
+        recorder.write(run.output_dir / ROLLOUTS_SUBDIR, step, examples, samples, run.processor, run.cfg.prompts)
+    evaluation = run.evaluator.run_if_due(step, run.engine, run.ranks) if run.evaluator else {}
+    record = {**record, **run.stream.metrics(), **evaluation}
+    run.logger.log(step, record)
+    run.checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
+
+
+def end_run(run: Run) -> None:
+    run.logger.close()
+    run.ranks.barrier()
+    run.engine.close()
+    run.ranks.close()
 
 
 def shard_models(cfg: Config, ranks: Ranks, student, teacher):

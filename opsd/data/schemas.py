@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from opsd.data.errors import DataConfigError
 
 SINGLE_FIELDS = ("id", "question", "answer")
-MULTI_FIELDS = ("images", "privileged_images", "privileged_text")
 OPTIONAL_FIELDS = ("id",)
 CHANNELS = {"images": "privileged_images", "text": "privileged_text"}  # prompts.privileged -> field
 

@@ -39,22 +39,6 @@ class Source(Protocol):
         """Where row `index` comes from, for messages: `file F, row R`."""
 
 
-class SampleList:
-    """Samples already in memory as a `Source` (tests, generated data)."""
-
-    def __init__(self, samples: list[Sample], name: str = "samples"):
-        self.samples, self.name = samples, name
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def sample(self, index: int) -> Sample:
-        return self.samples[index]
-
-    def where(self, index: int) -> str:
-        return f"item {index}"
-
-
 def checked_sample(source: Source, index: int, check: Callable[[Sample], None] | None) -> Sample:
     """Row `index` of `source` as a sample that passed `check`; raises `BadSample`."""
     sample = source.sample(index)

@@ -84,19 +84,3 @@ def build_sample(
         privileged_text="\n".join(thoughts) or None,
         answer=answer,
     )
-
-
-def prompt_length_check(processor, prompt_cfg, max_forward_tokens: int):
-    """A check raising `BadSample("prompt_too_long")` when a sample's teacher prompt leaves no room
-    for a completion within `max_forward_tokens` (the engine would refuse it, and there would be
-    nothing to train on). The teacher prompt holds the student's and more, so it is the one measured.
-    """
-    from opsd.prompts import teacher_prompt
-    from opsd.sequences import encode_prompt
-
-    def check(sample: Sample) -> None:
-        length = len(encode_prompt(processor, teacher_prompt(sample, processor, prompt_cfg)).input_ids)
-        if length >= max_forward_tokens:
-            raise BadSample("prompt_too_long", f"teacher prompt of {length} tokens >= train.max_forward_tokens={max_forward_tokens}")
-
-    return check

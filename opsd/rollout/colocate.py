@@ -10,17 +10,17 @@ requests, so the group gathers its prompts, generates them all, and each rank ke
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch.distributed as dist
 
+from opsd.device import process_world_size
 from opsd.prompts import Prompt
 from opsd.rollout.engine import Completion, SamplingSettings
 
 
 def engine_kwargs(*, tensor_parallel_size: int) -> dict:
     """Extra `vllm.LLM` arguments for this process: external launcher under torchrun."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = process_world_size()
     if world_size == 1:
         if tensor_parallel_size > 1:
             raise ValueError(

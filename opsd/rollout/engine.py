@@ -1,4 +1,4 @@
-"""The rollout engine interface: sample completions for prompts, take new weights.
+"""The rollout engine interface: sample completions for prompts, take new weights; sampling settings.
 
 Any class with these methods can serve as the trainer's sampler (vLLM, transformers `generate`,
 or a user's own).
@@ -11,7 +11,8 @@ from typing import Protocol
 
 import torch
 
-from opsd.prompts import Prompt
+from opsd.config import Config
+from opsd.prompts import Prompt, placeholder_token_ids
 
 
 @dataclass
@@ -28,6 +29,20 @@ class SamplingSettings:
     """Makes a call reproducible: the same prompts, weights and seed give the same completions."""
     banned_token_ids: list[int] = field(default_factory=list)
     """Never sampled: image placeholders in a completion would break the scoring forward."""
+
+
+def sampling_settings(cfg: Config, step: int, processor, first_prompt: int = 0) -> SamplingSettings:
+    """The rollout sampling of optimizer step `step` (offline dumps use the step of their checkpoint).
+
+    Prompt i of the call samples with seed `seed + i`; `first_prompt` (the index of the call's first
+    prompt in the step's global batch) makes a prompt's seed the same whichever rank samples it.
+    """
+    r = cfg.rollout
+    return SamplingSettings(
+        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        n=r.samples_per_prompt, seed=cfg.train.seed * 1_000_003 + step * 10_007 + first_prompt,
+        banned_token_ids=placeholder_token_ids(processor),
+    )
 
 
 @dataclass

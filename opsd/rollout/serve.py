@@ -12,18 +12,15 @@ environment and command line instead of running them. Extra `vllm serve` flags g
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import torch
-
 import opsd
 from opsd.config import Config, ConfigError, load_config
-from opsd.rollout import images_per_prompt
+from opsd.rollout.vllm_args import cli_flags, cpu_environment, engine_args, engine_options
 
 WORKER_EXTENSION = "opsd.rollout.server_worker.WeightSyncExtension"
 
@@ -36,32 +33,21 @@ def serve_command(cfg: Config, model_path: str, extra_args: list[str] = ()) -> t
     (it looks up the version of a distribution named `vllm`).
     """
     url = urlsplit(cfg.rollout.server.url)
-    r = cfg.rollout
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
         "--host", url.hostname, "--port", str(url.port or (443 if url.scheme == "https" else 80)),
-        "--dtype", cfg.model.dtype,
-        "--max-model-len", str(cfg.train.max_forward_tokens),
-        "--limit-mm-per-prompt", json.dumps({"image": images_per_prompt(cfg)}),  # as the colocated engine
-        "--gpu-memory-utilization", str(r.gpu_memory_utilization),
-        "--seed", str(cfg.train.seed),
+        # The colocated engine's arguments; the server engine never puts the server to sleep.
+        *cli_flags(engine_args(**{**engine_options(cfg, model_path), "sleep_mode": False})),
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-scale-out",
     ]
-    if r.kv_cache_memory_mb:
-        argv += ["--kv-cache-memory-bytes", str(r.kv_cache_memory_mb << 20)]
-    if r.enforce_eager:
-        argv.append("--enforce-eager")
-    if cfg.model.trust_remote_code:
-        argv.append("--trust-remote-code")
     env = {
         "VLLM_SERVER_DEV_MODE": "1",
         # The workers import the extension from this opsd, installed or not.
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(opsd.__file__).parent.parent), os.environ.get("PYTHONPATH")])),
     }
-    if not torch.cuda.is_available():
-        env["TORCHDYNAMO_DISABLE"] = "1"  # else a 10-18 s inductor compile on the first logprobs request
+    env.update(cpu_environment())
     return argv + list(extra_args), env
 
 

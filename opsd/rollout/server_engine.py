@@ -6,7 +6,7 @@ Start the server with `python -m opsd.rollout.serve --config ...` (it prints and
 - generate: one `/inference/v1/generate` request per prompt (vLLM's token-in/token-out API), all in
   flight at once so the server batches them. The prompt goes as token ids, exactly the trainer's
   tokenisation, with its images as PNG data URLs; the answer holds the sampled ids and their
-  logprobs. Sampling parameters are the colocated engine's, per-prompt seeds included.
+  logprobs. Sampling parameters are the colocated engine's (opsd/rollout/vllm_args.py).
 - weight sync: tensors cannot travel through the server's `/collective_rpc` (strings only), so each
   bucket is written to a safetensors file under /dev/shm and loaded by the worker extension
   (opsd/rollout/server_worker.py) inside one reload session per update, then deleted: at most one
@@ -30,6 +30,7 @@ import torch
 from opsd.prompts import Prompt
 from opsd.rollout.engine import Completion, SamplingSettings
 from opsd.rollout.receivers import save_bucket
+from opsd.rollout.vllm_args import sampling_params
 
 LAUNCH_HINT = "start it with `python -m opsd.rollout.serve --config <your config>` (see README, out-of-process engine)"
 
@@ -126,21 +127,15 @@ class ServerEngine:
             )
 
     # -- sampling ---------------------------------------------------------------------------------
-    def _request(self, prompt: Prompt, sampling: SamplingSettings, seed: int) -> dict:
+    def _request(self, prompt: Prompt, sampling: SamplingSettings, prompt_index: int) -> dict:
         body = {
             "model": self.model,
             # Token ids, so the server cannot add special tokens the trainer's tokenisation did not;
             # an image stays one placeholder token each, which the server expands.
             "token_ids": self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"],
             "sampling_params": {
-                "n": sampling.n,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "top_k": sampling.top_k,
-                "max_tokens": sampling.max_new_tokens,
-                "logprobs": 0,  # the sampled token's own logprob, from the unprocessed distribution
-                "seed": seed,
-                "logit_bias": {str(t): -100.0 for t in sampling.banned_token_ids} or None,
+                **sampling_params(sampling, prompt_index),
+                "logit_bias": {str(t): -100.0 for t in sampling.banned_token_ids} or None,  # JSON keys
                 "detokenize": False,  # text is decoded here, with the trainer's tokenizer
             },
             "output_mode": "tokens",
@@ -150,7 +145,7 @@ class ServerEngine:
         return body
 
     def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
-        requests = [self._request(p, sampling, sampling.seed + i) for i, p in enumerate(prompts)]
+        requests = [self._request(p, sampling, i) for i, p in enumerate(prompts)]
         responses = list(self._pool.map(lambda body: self._call("POST", "/inference/v1/generate", body), requests))
         completions = []
         for i, response in enumerate(responses):

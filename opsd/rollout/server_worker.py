@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from opsd.rollout.vllm_engine import begin_reload, finish_reload, load_bucket
+from opsd.rollout.vllm_reload import begin_reload, finish_reload, load_bucket
 
 
 class WeightSyncExtension:

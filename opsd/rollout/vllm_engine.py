@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+
 import torch
 
 from opsd.prompts import Prompt
 from opsd.rollout.colocate import engine_kwargs, generate_in_group
 from opsd.rollout.engine import Completion, SamplingSettings
+from opsd.rollout.vllm_args import cpu_environment, engine_args, sampling_params
+from opsd.rollout.vllm_reload import begin_reload, finish_reload, load_bucket
 
 
 def _set_env_defaults() -> None:
@@ -18,9 +21,9 @@ def _set_env_defaults() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the trainer's
     # The engine leaves ZMQ socket files behind; keep them out of the shared /tmp root.
     os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="opsd-vllm-"))
+    for key, value in cpu_environment().items():
+        os.environ.setdefault(key, value)
     if not torch.cuda.is_available():
-        # On CPU, the first logprobs request would otherwise trigger a 10-18 s inductor compile.
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         # vLLM's CPU worker pins threads; without this torch in the same process may fall to one.
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
@@ -30,16 +33,6 @@ def _quiet_rotary_reload_warning() -> None:
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage()
     )
-
-
-# On CPU, vLLM 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
-# split across scheduler steps: it rewinds the generator offset, which only CUDA generators have.
-# A large per-step token budget keeps a rollout batch's prefills in one step.
-CPU_MAX_BATCHED_TOKENS = 65536
-
-
-def _cpu_scheduler_kwargs() -> dict:
-    return {} if torch.cuda.is_available() else {"max_num_batched_tokens": CPU_MAX_BATCHED_TOKENS}
 
 
 class VLLMEngine:
@@ -56,7 +49,9 @@ class VLLMEngine:
         seed: int = 0,
         tensor_parallel_size: int = 1,
         sleep_mode: bool = False,
+        trust_remote_code: bool = False,
     ):
+        """`engine_args` (opsd/rollout/vllm_args.py) says what each option sets in vLLM."""
         _set_env_defaults()
         from vllm import LLM
 
@@ -66,16 +61,11 @@ class VLLMEngine:
         self._asleep: set[str] = set()
         self.tensor_parallel_size = tensor_parallel_size
         self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            limit_mm_per_prompt={"image": max_images_per_prompt},
-            kv_cache_memory_bytes=kv_cache_memory_mb << 20 if kv_cache_memory_mb else None,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            seed=seed,
-            enable_sleep_mode=self.sleep_mode,
-            **_cpu_scheduler_kwargs(),
+            **engine_args(
+                model_path, dtype=dtype, max_model_len=max_model_len, max_images_per_prompt=max_images_per_prompt,
+                kv_cache_memory_mb=kv_cache_memory_mb, gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager, seed=seed, sleep_mode=self.sleep_mode, trust_remote_code=trust_remote_code,
+            ),
             **engine_kwargs(tensor_parallel_size=tensor_parallel_size),
         )
         self.tokenizer = self.llm.get_tokenizer()
@@ -114,20 +104,7 @@ class VLLMEngine:
     def _generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams
 
-        params = [
-            SamplingParams(
-                n=sampling.n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                max_tokens=sampling.max_new_tokens,
-                logprobs=0,  # the sampled token's own logprob, from the unprocessed distribution
-                seed=sampling.seed + i if sampling.temperature > 0 else None,  # temperature 0 is greedy in vLLM
-                logit_bias={t: -100.0 for t in sampling.banned_token_ids} or None,
-                skip_special_tokens=True,
-            )
-            for i in range(len(prompts))
-        ]
+        params = [SamplingParams(**sampling_params(sampling, i), skip_special_tokens=True) for i in range(len(prompts))]
         outputs = self.llm.generate([self._request(p) for p in prompts], params, use_tqdm=False)
         completions = []
         for i, out in enumerate(outputs):
@@ -166,50 +143,3 @@ class VLLMEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
         del self.llm
-
-
-# Run inside the vLLM worker (in-process `collective_rpc` passes callables and tensors as they are).
-def begin_reload(worker) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(worker.model_runner.get_model())
-
-
-def load_bucket(worker, bucket) -> None:
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(worker.vllm_config):
-        worker.model_runner.get_model().load_weights(iter(bucket))
-
-
-def finish_reload(worker) -> None:
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-
-    with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
-        _reprocess_shared_weights(worker.model_runner.get_model())
-    worker.model_runner.reset_encoder_cache()
-    worker.model_runner.reset_mm_cache()
-
-
-def _reprocess_shared_weights(model) -> None:
-    """Redo the post-load step of layers whose weight is another layer's (a tied LM head).
-
-    With tied embeddings vLLM never loads `lm_head.weight` (it is `embed_tokens.weight`), so the
-    reload does not revisit the LM head; on CPU that layer multiplies with a copy of the weight
-    prepacked at load time, which would keep the old embeddings (SmolLM2: off by ~1 nat after one
-    large update). Re-running the step repacks it from the updated tensor.
-    """
-    sharing: dict[int, list] = {}
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor):
-            sharing.setdefault(id(weight), []).append(module)
-    for modules in sharing.values():
-        if len(modules) > 1:
-            for module in modules:
-                if getattr(module, "quant_method", None) is not None:
-                    module.quant_method.process_weights_after_loading(module)

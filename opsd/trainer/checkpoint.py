@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from opsd.device import process_rank, process_world_size
 from opsd.trainer.rng import rng_state
 
 FORMAT_VERSION = 1
@@ -97,10 +98,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
@@ -143,7 +140,7 @@ def latest_checkpoint(output_dir: Path) -> Checkpoint | None:
 def remove_leftovers(output_dir: Path) -> list[Path]:
     """Delete half-written saves and half-deleted checkpoints left by a crash (rank 0 only)."""
     removed = []
-    if _rank() == 0 and Path(output_dir).is_dir():
+    if process_rank() == 0 and Path(output_dir).is_dir():
         for entry in sorted(Path(output_dir).iterdir()):
             if entry.is_dir() and LEFTOVER_NAME.match(entry.name):
                 shutil.rmtree(entry)
@@ -189,7 +186,7 @@ def _train_state(parts: TrainingParts) -> dict:
 def _save_hf_dir(model: nn.Module, processor, path: Path) -> None:
     """A `from_pretrained` / `vllm.LLM` directory; the full weights are gathered onto rank 0."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=_distributed()))
-    if _rank() == 0:
+    if process_rank() == 0:
         model.save_pretrained(path, state_dict=full)
         processor.save_pretrained(path)
 
@@ -234,7 +231,7 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
     """Write `checkpoint-{step}` crash-safely; every rank calls this (the gathers are collective)."""
     final = checkpoint_path(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
+    if process_rank() == 0:
         if final.exists():
             raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -248,16 +245,16 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
     with _single_process_quietly():
         dcp.save(_train_state(parts), checkpoint_id=tmp / TRAIN_STATE_DIR)
     _fault_point("train_state", step)
-    torch.save(rng_state(), tmp / RNG_DIR / f"rank-{_rank()}.pt")
+    torch.save(rng_state(), tmp / RNG_DIR / f"rank-{process_rank()}.pt")
     _barrier()
 
-    if _rank() == 0:
+    if process_rank() == 0:
         _write_json(tmp / TRAINER_STATE, trainer_state)
         manifest = {
             "format_version": FORMAT_VERSION,
             "step": step,
             "teacher_mode": parts.teacher_mode,
-            "world_size": dist.get_world_size() if _distributed() else 1,
+            "world_size": process_world_size(),
             "model": model_fingerprint(parts.student),
             "files": _file_records(tmp),
         }
@@ -370,7 +367,7 @@ def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = Fa
 
 def load_rng_state(path: Path) -> dict | None:
     """This rank's saved RNG states; None when the checkpoint was written by fewer ranks."""
-    file = Path(path) / RNG_DIR / f"rank-{_rank()}.pt"
+    file = Path(path) / RNG_DIR / f"rank-{process_rank()}.pt"
     return torch.load(file, weights_only=True) if file.is_file() else None
 
 
@@ -382,7 +379,7 @@ def rotate_checkpoints(output_dir: Path, limit: int, keep_steps: set[int] = froz
     A checkpoint is first renamed to `.deleting` (atomic), so a crash mid-delete never leaves a
     half-deleted directory that looks complete.
     """
-    if _rank() != 0:
+    if process_rank() != 0:
         return []
     found = list_checkpoints(output_dir)
     if not found:

@@ -3,7 +3,7 @@
 Exact resume: a continued run restores the weights, optimizer, LR schedule, teacher, data position,
 counters, best metric and every rank's RNG states, so steps N+1... are the ones an uninterrupted run
 would have taken. The rollout engine needs no saved state: each step's sampling seed is a function
-of (`train.seed`, step) (see `sampling_settings` in opsd/train.py), and `train.seed` itself is
+of (`train.seed`, step) (see `sampling_settings` in opsd/rollout/engine.py), and `train.seed` itself is
 checked through the data stream's state. The engine does need the restored weights: it starts from
 `model.path`, so the trainer pushes the student into it before the first rollout.
 
@@ -93,10 +93,6 @@ class CheckpointManager:
     @property
     def saved_wandb_run_id(self) -> str | None:
         return self.saved_state.get("wandb_run_id") if self.continues else None
-
-    @property
-    def restored_weights(self) -> bool:
-        return self.source is not None
 
     def _find_source(self) -> Path | None:
         where = self.ckpt.resume_from

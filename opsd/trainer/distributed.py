@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from opsd.config import DistributedConfig
-from opsd.trainer.device import resolve_device
+from opsd.device import process_world_size, resolve_device
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Ranks:
 
 
 def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return process_world_size() > 1
 
 
 def init_distributed(cfg: DistributedConfig, device_name: str) -> Ranks:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -103,3 +105,22 @@ class NullMetricsLogger:
 
     def close(self) -> None:
         pass
+
+
+class StageTimer:
+    """Wall-clock seconds of a step's stages: `with timer("rollout"): ...` (repeats add up), then
+    `timer.record()` -> `{"time_rollout_s": ...}`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    def record(self) -> dict[str, float]:
+        return {f"time_{stage}_s": seconds for stage, seconds in self.seconds.items()}

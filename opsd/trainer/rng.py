@@ -1,4 +1,4 @@
-"""Capture and restore this process's random generators: python, numpy, torch CPU and CUDA.
+"""Seed, capture and restore this process's random generators: python, numpy, torch CPU and CUDA.
 
 The state is kept as plain lists, ints and tensors so that a checkpoint's RNG file loads with
 `torch.load(weights_only=True)`: no pickled code runs when a checkpoint is read.
@@ -11,6 +11,12 @@ import warnings
 
 import numpy as np
 import torch
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rng_state() -> dict:

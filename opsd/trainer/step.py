@@ -1,8 +1,7 @@
-"""One optimizer step of self-distillation: score, loss, backward, clip, step."""
+"""One optimizer step of self-distillation: score and backward each micro-batch, clip, step, metrics."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -10,64 +9,28 @@ from typing import Callable
 import torch
 
 from opsd.config import LossConfig
-from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
-from opsd.scoring import completion_logits
-from opsd.sequences import Example, collate
+from opsd.scoring import ScoredBatch, score_micro_batch, weighted_loss
+from opsd.sequences import Example
 from opsd.trainer.distributed import Ranks
 from opsd.trainer.fsdp import full_value, set_gradient_sync
 
 
-def autocast(device: torch.device, dtype: str):
-    if dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def distillation_losses(student_logits, teacher_logits, sampled_ids, engine_logprobs, cfg: LossConfig):
-    """Per-token distillation term [N] for the configured loss kind."""
-    if cfg.kind == "tinker":
-        return tinker_loss(
-            student_logits, teacher_logits, sampled_ids,
-            temperature=cfg.temperature, sampler_logprobs=engine_logprobs,
-        )
-    return generalized_jsd(
-        student_logits, teacher_logits, beta=cfg.beta, temperature=cfg.temperature,
-        top_k=cfg.top_k, token_clip=cfg.token_clip, clip_mode=cfg.clip_mode, chunk_size=cfg.chunk_size,
-    )
-
-
 @dataclass
-class ScoredBatch:
-    """Both roles' scores of one micro-batch, on its completion tokens in row-major order."""
+class StepSums:
+    """This rank's sums over a step's completion tokens, reduced over ranks for the metrics."""
 
-    sampled_ids: torch.Tensor  # [N] the completion tokens
-    engine_logprobs: torch.Tensor  # [N] the sampler's logprob of each
-    student_logits: torch.Tensor  # [N, V], with grad when the caller enabled it
-    teacher_logits: torch.Tensor  # [N, V], no grad
-    distill: torch.Tensor  # [N] per-token distillation term of the loss
-    student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
+    distill: float = 0.0
+    ce: float = 0.0
+    mismatch: float = 0.0
+    mismatch_max: float = 0.0
 
-
-def score_micro_batch(
-    student: torch.nn.Module, teacher: torch.nn.Module, micro: list[Example], *,
-    loss_cfg: LossConfig, dtype: str, pad_id: int,
-) -> ScoredBatch:
-    """Student forward (with grad when enabled), teacher forward without, per-token terms."""
-    device = next(student.parameters()).device
-    completions = [e.completion_ids for e in micro]
-    student_batch = collate([e.student for e in micro], completions, pad_id)
-    teacher_batch = collate([e.teacher for e in micro], completions, pad_id)
-    sampled = student_batch.completion_ids.to(device)
-    engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
-
-    with autocast(device, dtype):
-        student_logits = completion_logits(student, student_batch)
-        with torch.no_grad():
-            teacher_logits = completion_logits(teacher, teacher_batch)
-    distill = distillation_losses(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
-    with torch.set_grad_enabled(loss_cfg.ce_weight > 0 and torch.is_grad_enabled()):
-        student_logprobs = token_logprobs(student_logits, sampled)
-    return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)
+    def add(self, scored: ScoredBatch) -> None:
+        # Same weights on both sides: a gap here means the engine did not get the last update.
+        mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
+        self.distill += scored.distill.detach().sum().item()
+        self.ce -= scored.student_logprobs.detach().sum().item()
+        self.mismatch += mismatch.sum().item()
+        self.mismatch_max = max(self.mismatch_max, mismatch.max().item())
 
 
 def train_step(
@@ -94,59 +57,68 @@ def train_step(
     micro-batch's scores after its backward (the rollout dumps record per-token values there).
 
     Under torchrun, `total_tokens` counts the completion tokens of all ranks (global token
-    normalisation) and the returned metrics are global. Every rank runs as many micro-steps as the
-    busiest one, filling up with the `padding` example at loss weight 0, so that all ranks join the
-    same FSDP collectives whatever they sampled; gradients are reduced on the last micro-step only.
+    normalisation) and the returned metrics are global; `padding` fills up the micro-batches of a
+    rank that has fewer than the busiest one (see `micro_batches`).
     """
     if total_tokens is None:
         total_tokens = sum(len(e.completion_ids) for e in examples)
-    micro_batches = [examples[start : start + micro_batch_size] for start in range(0, len(examples), micro_batch_size)]
-    num_micro = int(ranks.max([len(micro_batches)])[0])
-    if len(micro_batches) < num_micro and padding is None:
-        raise ValueError("this rank has fewer micro-batches than another one and no padding example")
-    micro_batches += [[padding]] * (num_micro - len(micro_batches))
-    sums = {"distill": 0.0, "ce": 0.0, "mismatch": 0.0}
-    mismatch_max = 0.0
+    batches = micro_batches(examples, micro_batch_size, ranks, padding)
     student.train()
-    for index, micro in enumerate(micro_batches):
-        is_padding = micro[0] is padding
-        set_gradient_sync(student, index == num_micro - 1)
+    sums = StepSums()
+    for index, micro in enumerate(batches):
+        set_gradient_sync(student, index == len(batches) - 1)  # reduce over ranks once, at the end
         scored = score_micro_batch(student, teacher, micro, loss_cfg=loss_cfg, dtype=dtype, pad_id=pad_id)
-        distill, ce = scored.distill, -scored.student_logprobs
-        loss = (loss_cfg.jsd_weight * distill + loss_cfg.ce_weight * ce).sum() / total_tokens
-        if is_padding:
-            loss = loss * 0.0  # joins the other ranks' collectives, adds nothing
-        loss.backward()
+        is_padding = micro[0] is padding
+        backward(scored, loss_cfg, total_tokens, weight=0.0 if is_padding else 1.0)
         if not is_padding:
+            sums.add(scored)
             if on_scored is not None:
                 on_scored(micro, scored)
-            # Same weights on both sides: a gap here means the engine did not get the last update.
-            mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
-            sums["distill"] += distill.detach().sum().item()
-            sums["ce"] += ce.detach().sum().item()
-            sums["mismatch"] += mismatch.sum().item()
-            mismatch_max = max(mismatch_max, mismatch.max().item())
-        del scored, loss
+        del scored
+    grad_norm = optimizer_step(student, optimizer, max_grad_norm)
+    return step_metrics(sums, grad_norm, loss_cfg, ranks, total_tokens, num_examples=len(examples))
 
+
+def micro_batches(examples: list[Example], size: int, ranks: Ranks, padding: Example | None) -> list[list[Example]]:
+    """`examples` in micro-batches of `size`. Every rank runs as many as the busiest one, filling up
+    with the `padding` example (trained at loss weight 0), so that all ranks join the same FSDP
+    collectives whatever they sampled."""
+    batches = [examples[start : start + size] for start in range(0, len(examples), size)]
+    count = int(ranks.max([len(batches)])[0])
+    if len(batches) < count and padding is None:
+        raise ValueError("this rank has fewer micro-batches than another one and no padding example")
+    return batches + [[padding]] * (count - len(batches))
+
+
+def backward(scored: ScoredBatch, loss_cfg: LossConfig, total_tokens: int, weight: float = 1.0) -> None:
+    """Backward of this micro-batch's share of the step loss (sum over its tokens / the step's tokens)."""
+    loss = scored.token_losses(loss_cfg).sum() / total_tokens
+    (loss * weight).backward()  # weight 0 (padding) joins the other ranks' collectives, adds nothing
+
+
+def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor:
+    """Clip the accumulated gradients (0 = no clip, norm still measured), step, zero; the norm."""
     params = [p for p in student.parameters() if p.requires_grad]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
-    distill_sum, ce_sum, mismatch_sum, num_examples = ranks.sum(
-        [sums["distill"], sums["ce"], sums["mismatch"], len(examples)]
-    )
-    jsd, ce = distill_sum / total_tokens, ce_sum / total_tokens
+
+def step_metrics(sums: StepSums, grad_norm, loss_cfg: LossConfig, ranks: Ranks, total_tokens: int, *, num_examples: int) -> dict:
+    """The step's metrics over all ranks (collectives: every rank calls this)."""
+    distill_sum, ce_sum, mismatch_sum, num_examples = ranks.sum([sums.distill, sums.ce, sums.mismatch, num_examples])
+    distill, ce = distill_sum / total_tokens, ce_sum / total_tokens
     metrics = {
-        "loss": loss_cfg.jsd_weight * jsd + loss_cfg.ce_weight * ce,
-        "jsd": jsd,
+        "loss": weighted_loss(distill, ce, loss_cfg),
+        "jsd": distill,  # the metric keeps its historical name; it is the distillation term of any loss kind
         "ce": ce,
         "grad_norm": full_value(grad_norm).item(),
         "completion_tokens": total_tokens,
         "completion_len": total_tokens / num_examples,
-        "logprob_mismatch_max": ranks.max([mismatch_max])[0],
+        "logprob_mismatch_max": ranks.max([sums.mismatch_max])[0],
         "logprob_mismatch_mean": mismatch_sum / total_tokens,
     }
     if ranks.enabled:
-        metrics["logprob_mismatch_max_per_rank"] = ranks.gather(mismatch_max)
+        metrics["logprob_mismatch_max_per_rank"] = ranks.gather(sums.mismatch_max)
     return metrics

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from opsd.modeling import load_model
 from opsd.rollout.hf_engine import HFEngine
-from opsd.trainer.device import resolve_device
+from opsd.device import resolve_device
 
 
 class RecordingEngine:

@@ -8,7 +8,6 @@ side; `write_plots` draws PNGs with matplotlib (object API, Agg canvas: no displ
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from opsd.rollout.dumps import ROLLOUTS_SUBDIR
+from opsd.dumps.record import DUMP_FILE, ROLLOUTS_SUBDIR, parse_dump_name
 
-_FILE = re.compile(r"step_(\d+)_rank_(\d+)\.parquet$")
 CONTEXT_TOKENS = 8
 """Tokens of completion shown before a high-divergence token."""
 
@@ -27,11 +25,12 @@ CONTEXT_TOKENS = 8
 def rollout_files(path: str | Path) -> list[Path]:
     """Dump files of a directory (or of its `rollouts/`), ordered by step then rank."""
     path = Path(path)
+    pattern = DUMP_FILE.format(step="*", rank="*")
     for folder in (path, path / ROLLOUTS_SUBDIR):
-        files = [f for f in folder.glob("step_*_rank_*.parquet") if _FILE.search(f.name)]
+        files = [f for f in folder.glob(pattern) if parse_dump_name(f.name)]
         if files:
-            return sorted(files, key=lambda f: tuple(int(g) for g in _FILE.search(f.name).groups()))
-    raise FileNotFoundError(f"no step_*_rank_*.parquet files in {path} or {path / ROLLOUTS_SUBDIR}")
+            return sorted(files, key=lambda f: parse_dump_name(f.name))
+    raise FileNotFoundError(f"no {pattern} files in {path} or {path / ROLLOUTS_SUBDIR}")
 
 
 @dataclass

@@ -5,7 +5,7 @@ import torch
 
 from opsd.config import EvalConfig, ModelConfig, PromptConfig, load_config
 from opsd.data.sample import Sample
-from opsd.eval import eval_due, evaluate, extract_answer, is_correct, normalise_answer
+from opsd.evaluation import eval_due, evaluate, extract_answer, is_correct, normalise_answer
 from opsd.rollout.engine import Completion, SamplingSettings
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_checkpoint import make_parts, take_steps
+from tests.helpers.parts import make_parts, take_steps
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from opsd.export import export_checkpoint, main

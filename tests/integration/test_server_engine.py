@@ -16,8 +16,8 @@ from opsd.rollout.engine import SamplingSettings
 from opsd.rollout.serve import serve_command
 from opsd.rollout.server_engine import ServerEngine, ServerError
 from opsd.train import train
-from test_rollout_parity import engine_logprobs, trainer_logprobs
-from test_train_e2e import demo_config, read_metrics
+from tests.helpers.logprobs import engine_logprobs, trainer_logprobs
+from tests.helpers.runs import demo_config, read_metrics
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 
-from opsd.rollout.offline import resolve_model_dirs
+from opsd.dumps.offline import resolve_model_dirs
 from opsd.rollouts import main
 
 

@@ -7,7 +7,7 @@ import pytest
 from opsd.config import ConfigError, config_from_dict, load_config
 from opsd.train import main
 
-CONFIGS = sorted(Path(__file__).parent.parent.glob("configs/*.yaml"))
+CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 MINIMAL = {"model": {"path": "m"}, "data": {"path": "d"}}
 
 

@@ -1,28 +1,16 @@
 """Short end-to-end runs of `python -m opsd.train` on the tiny VLM and synthetic data."""
 
-import json
 import math
 
 import pytest
 
-from opsd.config import load_config
 from opsd.train import main, train
+from tests.helpers.runs import demo_config, read_metrics
 
 REQUIRED_KEYS = {
     "step", "loss", "jsd", "ce", "lr", "grad_norm", "completion_len", "completion_tokens",
     "time_rollout_s", "time_train_s", "time_weight_sync_s", "logprob_mismatch_max", "logprob_mismatch_mean",
 }
-
-
-def demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, *overrides):
-    return load_config("configs/demo.yaml", [
-        f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}",
-        "logging.progress_bar=false", "train.max_steps=3", "rollout.max_new_tokens=16", *overrides,
-    ])
-
-
-def read_metrics(output_dir):
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.vllm

@@ -2,8 +2,8 @@
 
 import pytest
 
-from opsd.analysis import format_report, load_rollouts, paired_difference, position_bins, summarize, write_plots
-from opsd.rollout.dumps import dump_path, write_rollouts
+from opsd.dumps.analysis import format_report, load_rollouts, paired_difference, position_bins, summarize, write_plots
+from opsd.dumps.record import dump_path, write_rollouts
 
 
 def row(step, index, ids, divergence, *, answer=None, predicted=None, sample_id=None):

@@ -11,11 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from opsd.config import ConfigError, LoggingConfig, ModelConfig, OptimConfig, TeacherConfig, config_from_dict
-from opsd.data.sample import Sample
-from opsd.data.stream import SampleList, SampleStream
-from opsd.modeling import load_model, load_processor
-from opsd.teacher import make_teacher, update_teacher
+from opsd.config import ConfigError, LoggingConfig, OptimConfig, config_from_dict
 from opsd.trainer import checkpoint as ckpt
 from opsd.trainer.checkpoint import (
     CheckpointError,
@@ -30,34 +26,9 @@ from opsd.trainer.checkpoint import (
 )
 from opsd.trainer.checkpoint_manager import CheckpointManager, changed_settings
 from opsd.trainer.metrics import MetricsLogger, drop_records_after
-from opsd.trainer.optim import build_optimizer, build_scheduler
+from opsd.trainer.optim import build_optimizer
 from opsd.trainer.rng import rng_state, set_rng_state
-
-
-def make_parts(model_dir, teacher_mode="ema", wrap=lambda model: None):
-    """`wrap` (e.g. FSDP2 sharding) is applied to the student and teacher before the optimizer exists."""
-    model_cfg = ModelConfig(path=str(model_dir))
-    processor = load_processor(model_cfg)
-    student = load_model(model_cfg, processor, torch.device("cpu"))
-    teacher = make_teacher(TeacherConfig(mode=teacher_mode), student)
-    for model in {id(student): student, id(teacher): teacher}.values():
-        wrap(model)
-    optim_cfg = OptimConfig(lr=1e-2, min_lr=0.0, warmup_steps=1)
-    optimizer = build_optimizer(optim_cfg, student)
-    scheduler = build_scheduler(optim_cfg, optimizer, 10)
-    samples = [Sample(id=f"s{i}", question=f"q{i}", images=[], privileged_images=[]) for i in range(5)]
-    return TrainingParts(student, teacher, teacher_mode, optimizer, scheduler, processor, SampleStream([SampleList(samples)], seed=3))
-
-
-def take_steps(parts, n):
-    """Real optimizer steps, so the optimizer, schedule and EMA teacher all hold state."""
-    for _ in range(n):
-        ids = torch.randint(0, 200, (2, 10))
-        parts.student(input_ids=ids, labels=ids).loss.backward()
-        parts.optimizer.step()
-        parts.optimizer.zero_grad()
-        parts.scheduler.step()
-        update_teacher(TeacherConfig(mode=parts.teacher_mode, ema_decay=0.5), parts.teacher, parts.student)
+from tests.helpers.parts import assert_same_tensors, make_parts, take_steps
 
 
 def run_config(output_dir, **checkpoint):
@@ -74,12 +45,6 @@ def saved(tmp_path, tiny_text_dir):
     take_steps(parts, 3)
     path = save_checkpoint(tmp_path / "run", 3, parts, {"step": 3, "note": "unit"})
     return path, parts
-
-
-def assert_same_tensors(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def test_round_trip_restores_weights_optimizer_schedule_and_teacher(saved, tiny_text_dir):
@@ -321,7 +286,7 @@ def test_weights_only_resume_starts_a_new_run_from_the_ema_weights(saved, tmp_pa
     manager = CheckpointManager(cfg, tmp_path / "new")
     assert manager.resume_step is None and manager.saved_wandb_run_id is None  # fresh metrics and wandb run
     parts = make_parts(tiny_text_dir)
-    assert manager.start(parts) == 0 and manager.restored_weights
+    assert manager.start(parts) == 0 and manager.source is not None
     assert_same_tensors(parts.student.state_dict(), trained.teacher.state_dict())
     assert_same_tensors(parts.teacher.state_dict(), trained.teacher.state_dict())  # the teacher starts there too
     assert not parts.optimizer.state and parts.stream.state_dict()["positions"] == [0]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
@@ -30,7 +30,7 @@ def launch(command, output_dir, tiny_vlm_dir, grid_data_dir, *overrides):
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     log = Path(output_dir).with_suffix(".log").open("w")
-    return subprocess.Popen([*command, str(ROOT / "tests/recording_train.py"), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen([*command, str(ROOT / "tests/helpers/recording_train.py"), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 class Run:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,23 +36,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from opsd import eval as eval_answers
+from opsd import evaluation
 from opsd.config import Config, EvalConfig, PromptConfig
 from opsd.data.sample import Sample
+from opsd.device import process_rank
 from opsd.loss import token_logprobs
 from opsd.prompts import student_prompt, teacher_prompt
+from opsd.scoring import ScoredBatch
 from opsd.sequences import Example
-from opsd.trainer.step import ScoredBatch
 
 ROLLOUTS_SUBDIR = "rollouts"
+"""Where a run's dumps go, under its output directory."""
+DUMP_FILE = "step_{step}_rank_{rank}.parquet"
+"""A dump file's name (`DUMP_FILE.format(step="*", rank="*")` globs them); `parse_dump_name` reads it."""
+_DUMP_NAME = re.compile(DUMP_FILE.replace(".", r"\.").format(step=r"(\d+)", rank=r"(\d+)"))
 
-# Dumps judge answers the way evaluation does (opsd/eval.py), with the default `<answer>` pattern.
+# Dumps judge answers the way evaluation does (opsd/evaluation.py), with the default `<answer>` pattern.
 _ANSWER_PATTERN = EvalConfig.answer_pattern
 
 
 def extract_answer(text: str) -> str | None:
     """The content of the last `<answer>...</answer>` in `text`, stripped; None without one."""
-    found = eval_answers.extract_answer(text, _ANSWER_PATTERN)
+    found = evaluation.extract_answer(text, _ANSWER_PATTERN)
     return found.strip() if found is not None else None
 
 
@@ -59,7 +65,7 @@ def answer_is_correct(completion_text: str, answer: str | None) -> bool | None:
     """None when the answer is unknown; False when the completion gives no `<answer>`."""
     if answer is None:
         return None
-    return eval_answers.is_correct(completion_text, answer, _ANSWER_PATTERN)
+    return evaluation.is_correct(completion_text, answer, _ANSWER_PATTERN)
 
 
 @dataclass
@@ -182,7 +188,13 @@ TOP_N_FIELDS = [
 
 
 def dump_path(out_dir: Path, step: int, rank: int) -> Path:
-    return Path(out_dir) / f"step_{step}_rank_{rank}.parquet"
+    return Path(out_dir) / DUMP_FILE.format(step=step, rank=rank)
+
+
+def parse_dump_name(name: str) -> tuple[int, int] | None:
+    """(step, rank) of a dump file's name; None for any other file."""
+    match = _DUMP_NAME.fullmatch(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def write_rollouts(path: Path, rows: list[dict]) -> Path:
@@ -197,10 +209,6 @@ def write_rollouts(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def current_rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-
-
 class RolloutRecorder:
     """Collects a step's per-token scores (`collect` is train_step's `on_scored`), then writes them."""
 
@@ -212,7 +220,7 @@ class RolloutRecorder:
         self.scores += token_scores(micro, scored, top_n=self.top_n, chunk_size=self.chunk_size)
 
     def write(self, out_dir: Path, step: int, examples: list[Example], samples: list[Sample], processor, prompt_cfg: PromptConfig) -> Path:
-        rank = current_rank()
+        rank = process_rank()
         rows = rollout_rows(step, rank, examples, self.scores, samples, processor, prompt_cfg)
         return write_rollouts(dump_path(out_dir, step, rank), rows)
 

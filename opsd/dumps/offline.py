@@ -1,7 +1,7 @@
 """Offline rollout dumps: sample a dataset's prompts with the engine and score them, no training.
 
 The same pieces as a training step (prompts, engine, sequences, `score_micro_batch`) and the same
-file format (`opsd.rollout.dumps`), so offline dumps of checkpoints and the dumps of a run compare
+file format (`opsd.dumps.record`), so offline dumps of checkpoints and the dumps of a run compare
 directly.
 """
 
@@ -15,18 +15,19 @@ import torch
 
 from opsd.config import Config, ConfigError
 from opsd.data.dataset import split_samples
-from opsd.data.validation import prompt_length_check
+from opsd.device import resolve_device
+from opsd.dumps.record import RolloutRecorder
 from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt
-from opsd.rollout import make_engine
-from opsd.rollout.dumps import RolloutRecorder
-from opsd.sequences import build_sample_examples
-from opsd.trainer.device import resolve_device
-from opsd.trainer.step import score_micro_batch
+from opsd.rollout import make_engine, sampling_settings
+from opsd.scoring import score_micro_batch
+from opsd.sequences import build_sample_examples, prompt_length_check
+from opsd.trainer.checkpoint import MODEL_DIR, TEACHER_DIR
 
-# Where a training checkpoint keeps its Hugging Face model directories (checked in this order).
-CHECKPOINT_STUDENT_DIRS = ("student", "model")
-CHECKPOINT_TEACHER_DIRS = ("teacher", "ema")
+# Where a checkpoint keeps its Hugging Face model directories (checked in this order): opsd's own
+# layout (opsd/trainer/checkpoint.py), and `student/`, `ema/` as other trainers name them.
+CHECKPOINT_STUDENT_DIRS = ("student", MODEL_DIR)
+CHECKPOINT_TEACHER_DIRS = (TEACHER_DIR, "ema")
 
 
 @dataclasses.dataclass
@@ -69,8 +70,6 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
 
     Returns the file and the counts of completions dropped or truncated on the way.
     """
-    from opsd.train import sampling_settings  # the trainer's sampling, seeded by step
-
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
     pad_id = getattr(processor, "tokenizer", processor).pad_token_id

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datafiles import (
+from tests.helpers.datafiles import (
     PROJECT_DEFECTS, TEXT_DEFECTS, THINKMORPH_DEFECTS, huge_png, png, struct, thinkmorph_rows, write_parquet,
     write_project, write_text_jsonl, write_thinkmorph,
 )

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from opsd.config import ConfigError, DistributedConfig, load_config
-from opsd.data.stream import SampleList, SampleStream
+from opsd.data.stream import SampleStream
 from opsd.data.synthetic import generate_samples
 from opsd.rollout.colocate import engine_kwargs
 from opsd.trainer.distributed import Ranks, build_mesh
 from opsd.trainer.fsdp import transformer_blocks
+from tests.helpers.samples import SampleList
 
 
 def test_bf16_fsdp_parameters_need_bf16_autocast():

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import yaml
 
-from datafiles import PROJECT_DEFECTS, TEXT_DEFECTS, THINKMORPH_DEFECTS, write_project, write_text_jsonl, write_thinkmorph
+from tests.helpers.datafiles import PROJECT_DEFECTS, TEXT_DEFECTS, THINKMORPH_DEFECTS, write_project, write_text_jsonl, write_thinkmorph
 from opsd.config import load_config
 from opsd.train import main, train
 

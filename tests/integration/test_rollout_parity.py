@@ -6,31 +6,15 @@ import torch
 from opsd.config import ModelConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.data.synthetic import generate_samples
-from opsd.loss import token_logprobs
 from opsd.modeling import load_model, load_processor
 from opsd.rollout.weight_sync import push_weights
 from opsd.prompts import placeholder_token_ids, student_prompt
 from opsd.rollout.engine import SamplingSettings
-from opsd.scoring import completion_logits
-from opsd.sequences import collate, encode_prompt
-
-TOLERANCE = 1e-4
+from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
 
 
 def text_samples(n):
     return [Sample(id=f"t{i}", question=f"What is {i} + {i + 3}?", images=[], privileged_images=[]) for i in range(n)]
-
-
-def trainer_logprobs(model, processor, prompts, completions):
-    encoded = [encode_prompt(processor, prompts[c.prompt_index]) for c in completions]
-    pad_id = getattr(processor, "tokenizer", processor).pad_token_id
-    batch = collate(encoded, [c.token_ids for c in completions], pad_id)
-    with torch.no_grad():
-        return token_logprobs(completion_logits(model, batch), batch.completion_ids)
-
-
-def engine_logprobs(completions):
-    return torch.tensor([lp for c in completions for lp in c.logprobs])
 
 
 def make_engine(kind, model_dir, processor):

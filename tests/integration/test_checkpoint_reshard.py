@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from opsd.trainer.checkpoint import load_checkpoint, read_manifest, save_checkpoint
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).parents[2]
 
 
 def shard(model):
@@ -31,7 +31,7 @@ def worker(model_dir, checkpoint, out_dir):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from test_checkpoint import make_parts
+    from tests.helpers.parts import make_parts
 
     dist.init_process_group("gloo")
     parts = make_parts(model_dir, wrap=shard)
@@ -46,7 +46,7 @@ def worker(model_dir, checkpoint, out_dir):
 
 @pytest.mark.slow
 def test_checkpoint_moves_between_one_and_two_ranks(tmp_path, tiny_text_dir):
-    from test_checkpoint import assert_same_tensors, make_parts, take_steps
+    from tests.helpers.parts import assert_same_tensors, make_parts, take_steps
 
     parts = make_parts(tiny_text_dir)
     take_steps(parts, 2)
@@ -75,5 +75,4 @@ def test_checkpoint_moves_between_one_and_two_ranks(tmp_path, tiny_text_dir):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     worker(*sys.argv[1:])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_rollout_parity import TOLERANCE, engine_logprobs, trainer_logprobs
+from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import opsd.train
@@ -22,7 +22,7 @@ from opsd.rollout.engine import SamplingSettings
 from opsd.trainer.checkpoint import list_checkpoints, read_trainer_state
 from opsd.trainer.metrics import MetricsLogger
 
-REPO = Path(__file__).parent.parent
+REPO = Path(__file__).parents[2]
 
 
 def overrides(output_dir, tiny_vlm_dir, grid_data_dir, *extra):

@@ -1,64 +1,18 @@
-"""Rollout dumps: answer checks, per-token records, and a training run that writes them."""
+"""Rollout dumps of a training run give back the step's metrics; dumping stays within a chunk of memory."""
 
 import json
 
 import numpy as np
 import pytest
-import torch
 
 from opsd.config import load_config
-from opsd.rollout.dumps import (
-    answer_is_correct, extract_answer, recorder_for_step, teacher_top_n, token_scores,
-)
-from opsd.sequences import EncodedPrompt, Example
-from opsd.trainer.step import ScoredBatch
-
-
-def test_answer_extraction_takes_the_last_tag_and_normalises():
-    assert extract_answer("<think>maybe <answer>2</answer></think> <answer> Left. </answer>") == "Left."
-    assert extract_answer("no tag here") is None
-    assert answer_is_correct("<answer> Left. </answer>", "left") is True
-    assert answer_is_correct("<answer>right</answer>", "left") is False
-    assert answer_is_correct("left", "left") is False  # no <answer>: not counted as correct
-    assert answer_is_correct("<answer>left</answer>", None) is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_teacher_top_n_matches_the_full_softmax(dtype):
-    logits = torch.randn(7, 50).to(dtype)
-    ids, probs = teacher_top_n(logits, 4, chunk_size=3)
-    full = torch.softmax(logits.float(), dim=-1)
-    expected_probs, expected_ids = full.topk(4, dim=-1)
-    assert ids.shape == (7, 4) and probs.dtype == torch.float32
-    torch.testing.assert_close(full.gather(-1, ids), expected_probs)  # ties in bf16 may swap ids
-    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-6)
-
-
-def test_token_scores_split_a_micro_batch_per_completion():
-    prompt = EncodedPrompt([1, 2])
-    micro = [Example("a", prompt, prompt, [5, 6, 7], [-1.0] * 3), Example("b", prompt, prompt, [8, 9], [-2.0] * 2)]
-    n, v = 5, 12
-    teacher = torch.randn(n, v)
-    sampled = torch.tensor([5, 6, 7, 8, 9])
-    scored = ScoredBatch(
-        sampled_ids=sampled, engine_logprobs=torch.tensor([-1.0, -1.0, -1.0, -2.0, -2.0]),
-        student_logits=torch.randn(n, v, requires_grad=True), teacher_logits=teacher,
-        distill=torch.arange(n, dtype=torch.float32).requires_grad_(), student_logprobs=torch.full((n,), -3.0),
-    )
-    a, b = token_scores(micro, scored, top_n=2, chunk_size=2)
-    assert a.divergence.tolist() == [0, 1, 2] and b.divergence.tolist() == [3, 4]
-    assert b.engine_logprobs.tolist() == [-2.0, -2.0] and a.student_logprobs.dtype == np.float32
-    teacher_lp = torch.log_softmax(teacher, -1)[torch.arange(n), sampled].numpy()
-    np.testing.assert_allclose(np.concatenate([a.teacher_logprobs, b.teacher_logprobs]), teacher_lp, rtol=1e-5)
-    assert a.teacher_top_ids.shape == (3, 2) and b.teacher_top_probs.shape == (2, 2)
-    assert token_scores(micro, scored, top_n=0, chunk_size=2)[0].teacher_top_ids is None
 
 
 MEMORY_PROBE = """
 import resource, sys, torch
-from opsd.rollout.dumps import token_scores
+from opsd.dumps.record import token_scores
 from opsd.sequences import EncodedPrompt, Example
-from opsd.trainer.step import ScoredBatch
+from opsd.scoring import ScoredBatch
 
 n, v, chunk = 2048, 32768, 128
 logits = [torch.randn(n, v, dtype=torch.bfloat16) for _ in range(2)]  # student, teacher
@@ -88,13 +42,6 @@ def test_per_token_records_stay_within_a_chunk_of_memory():
     growth = int(out.stdout.strip().splitlines()[-1])
     chunk_f32_bytes = 128 * 32768 * 4
     assert growth < 4 * chunk_f32_bytes  # 64 MiB; the bf16 teacher logits are 128 MiB, a float32 copy 256 MiB
-
-
-def test_recorder_only_on_dump_steps():
-    base = ["model.path=m", "data.path=d"]
-    assert recorder_for_step(load_config("configs/demo.yaml", base), 4) is None  # off by default
-    cfg = load_config("configs/demo.yaml", [*base, "logging.dump_rollouts_every=2"])
-    assert recorder_for_step(cfg, 3) is None and recorder_for_step(cfg, 4) is not None
 
 
 @pytest.mark.vllm
