@@ -137,6 +137,8 @@ class PromptConfig:
     transition: str = (
         "Now, using your own independent reasoning, answer the problem above. Think step by step."
     )
+    """Closes the teacher's prompt; empty = nothing (with `privileged: []` the teacher's prompt is
+    then the student's)."""
     privileged: list[Literal["images", "text", "answer"]] = dataclasses.field(
         default_factory=lambda: ["images"]
     )
@@ -215,7 +217,10 @@ class RolloutConfig:
 
 @dataclass(config=_STRICT)
 class LossConfig:
-    kind: Literal["jsd", "tinker"] = "jsd"
+    kind: Literal["jsd", "tinker", "sft"] = "jsd"
+    """`jsd`: generalized JSD to the teacher on sampled completions; `tinker`: reverse-KL advantage on
+    the sampled tokens; `sft`: the off-policy baseline: no sampling and no teacher, cross-entropy
+    (`ce_weight`) on each sample's privileged text (worked solution, fact) as the completion."""
     beta: Probability = 0.5
     """0 = KL(teacher || student), 1 = KL(student || teacher), else generalized JSD."""
     temperature: Positive = 1.0
@@ -274,6 +279,8 @@ class EvalConfig:
     """Regex; the last match in a completion is its answer (group 1 if the pattern has groups)."""
     with_teacher_prompt: bool = False
     """Also evaluate with the teacher's prompt (`eval/teacher_accuracy`): the privileged gap."""
+    at_start: bool = False
+    """Also evaluate before the first step (logged as step 0): the baseline a run starts from."""
 
     @field_validator("answer_pattern")
     @classmethod
@@ -380,6 +387,10 @@ class Config:
         if self.distributed.param_dtype == "bfloat16" and self.model.dtype != "bfloat16":
             # FSDP casts the parameters only; bfloat16 autocast casts the inputs (pixel values) to match.
             raise ValueError("distributed.param_dtype=bfloat16 needs model.dtype=bfloat16")
+        if self.loss.kind == "sft" and self.loss.ce_weight == 0:
+            raise ValueError("loss.kind=sft trains on cross-entropy alone: set loss.ce_weight > 0")
+        if self.loss.kind == "sft" and "text" not in self.prompts.privileged:
+            raise ValueError("loss.kind=sft trains on the privileged text: prompts.privileged must hold text")
         return self
 
 
