@@ -130,6 +130,32 @@ def acceptance(runs: dict) -> dict:
     return out
 
 
+def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: float, load_start) -> dict:
+    """The report of the runs so far, written to <out>/report.json with its learning curve PNG."""
+    report = {
+        "task": {
+            "title": "SmolLM2-135M-Instruct learns fictional facts only its teacher's prompt holds",
+            "config": args.config,
+            "facts": cfg.data.datasets[0].synthetic.n_facts if cfg.data.datasets[0].synthetic else None,
+            "eval_items": cfg.eval.num_samples,
+            "eval": "greedy, held-out question phrasings, answer = last task value named",
+            "steps": cfg.train.max_steps,
+            "sequences_per_step": cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps * cfg.rollout.samples_per_prompt,
+        },
+        "command": " ".join(["python bench/learning.py", "--runs", *args.runs, *args.overrides]),
+        "runs": runs,
+        "acceptance": acceptance(runs),
+        "conversion": conversion,
+        "total_wall_s": time.perf_counter() - started,
+        "total_cpu_s": conversion["cpu_s"] + sum(r["cpu_s"] for r in runs.values()),
+        "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
+    }
+    report["acceptance"]["under_30_minutes"] = report["total_wall_s"] < 1800
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "learning_curve.png")
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=["opsd", "no_privileged", "sft"])
@@ -169,28 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = {"overrides": CONTROLS[name], **summarise(records, wall, cpu)}
         evals = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}/{e['teacher_accuracy']}" for e in runs[name]["eval"])
         print(f"  {name}: student/teacher accuracy by step {evals} ({wall:.0f} s)", file=sys.stderr, flush=True)
+        write_report(cfg, args, runs, conversion, out, started, load_start)  # what is done so far is kept
 
-    report = {
-        "task": {
-            "title": "SmolLM2-135M-Instruct learns fictional facts only its teacher's prompt holds",
-            "config": args.config,
-            "facts": cfg.data.datasets[0].synthetic.n_facts if cfg.data.datasets[0].synthetic else None,
-            "eval_items": cfg.eval.num_samples,
-            "eval": "greedy, held-out question phrasings, answer = last task value named",
-            "steps": cfg.train.max_steps,
-            "sequences_per_step": cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps * cfg.rollout.samples_per_prompt,
-        },
-        "command": " ".join(["python bench/learning.py", "--runs", *args.runs, *args.overrides]),
-        "runs": runs,
-        "acceptance": acceptance(runs),
-        "conversion": conversion,
-        "total_wall_s": time.perf_counter() - started,
-        "total_cpu_s": conversion["cpu_s"] + sum(r["cpu_s"] for r in runs.values()),
-        "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
-    }
-    report["acceptance"]["under_30_minutes"] = report["total_wall_s"] < 1800
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    plot(report, out / "learning_curve.png")
+    report = write_report(cfg, args, runs, conversion, out, started, load_start)
     print(f"report: {out / 'report.json'}; learning curve: {out / 'learning_curve.png'}", file=sys.stderr)
     print(json.dumps(report))
     return 0
