@@ -107,8 +107,7 @@ class Evaluator:
         self.data_counts = {f"data/eval_{key}": n for key, n in sorted(counts.items())}
         self.processor, self.prompt_cfg, self.cfg, self.max_steps = processor, cfg.prompts, cfg.eval, cfg.train.max_steps
 
-    def run(self, engine, ranks=None) -> dict:
-        return {**evaluate(engine, self.samples, self.processor, self.prompt_cfg, self.cfg, ranks), **self.data_counts}
-
     def run_if_due(self, step: int, engine, ranks=None) -> dict:
-        return self.run(engine, ranks) if eval_due(step, self.cfg, self.max_steps) else {}
+        if not eval_due(step, self.cfg, self.max_steps):
+            return {}
+        return {**evaluate(engine, self.samples, self.processor, self.prompt_cfg, self.cfg, ranks), **self.data_counts}

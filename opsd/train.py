@@ -47,8 +47,7 @@ from opsd.trainer.step import train_step
 
 def train(cfg: Config) -> Path:
     run = start_run(cfg)
-    if run.start_step == 0 and run.evaluator and cfg.eval.at_start:
-        run.logger.log(0, run.evaluator.run(run.engine, run.ranks))  # the baseline, before any update
+    baseline_evaluation(run)
     progress = cfg.logging.progress_bar and run.ranks.is_main
     steps = range(run.start_step + 1, cfg.train.max_steps + 1)
     for step in tqdm(steps, initial=run.start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
@@ -186,6 +185,12 @@ def update_student(run: Run, examples: list[Example], step_tokens: int, recorder
         total_tokens=step_tokens,
         padding=rank_padding(cfg, run.processor, sample, run.pad_id) if run.ranks.enabled else None,
     )
+
+
+def baseline_evaluation(run: Run) -> None:
+    """With `eval.at_start`, a fresh run is evaluated before its first step, logged as step 0."""
+    if run.evaluator is not None and run.start_step == 0 and run.cfg.eval.at_start:
+        run.logger.log(0, run.evaluator.run_if_due(0, run.engine, run.ranks))
 
 
 def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None) -> None:
