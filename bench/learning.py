@@ -130,7 +130,7 @@ def acceptance(runs: dict) -> dict:
     return out
 
 
-def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: float, load_start) -> dict:
+def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: float, load_start, speed=None) -> dict:
     """The report of the runs so far, written to <out>/report.json with its learning curve PNG."""
     report = {
         "task": {
@@ -149,6 +149,7 @@ def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: fl
         "total_wall_s": time.perf_counter() - started,
         "total_cpu_s": conversion["cpu_s"] + sum(r["cpu_s"] for r in runs.values()),
         "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
+        "speed": speed,
     }
     report["acceptance"]["under_30_minutes"] = report["total_wall_s"] < 1800
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=["opsd", "no_privileged", "sft"])
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--out", default="runs/learn", help="run directories, report.json and the PNG go here")
+    parser.add_argument("--profile-steps", type=int, default=2,
+                        help="after the runs, bench/step_profile.py with this many steps (0 = skip): the 'speed' key")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -197,7 +200,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: student/teacher accuracy by step {evals} ({wall:.0f} s)", file=sys.stderr, flush=True)
         write_report(cfg, args, runs, conversion, out, started, load_start)  # what is done so far is kept
 
-    report = write_report(cfg, args, runs, conversion, out, started, load_start)
+    speed = None
+    if args.profile_steps:
+        print(f"profiling {args.profile_steps} steps (bench/step_profile.py) ...", file=sys.stderr, flush=True)
+        profile = out / "step_profile.json"
+        with profile.open("w") as stdout:
+            done = subprocess.run([sys.executable, "bench/step_profile.py", "--config", args.config, "--steps",
+                                   str(args.profile_steps), *args.overrides], cwd=ROOT, stdout=stdout,
+                                  stderr=(out / "step_profile.log").open("w"))
+        if done.returncode != 0:
+            raise SystemExit(f"bench/step_profile.py failed; see {out / 'step_profile.log'}")
+        speed = json.loads(profile.read_text().strip().splitlines()[-1])
+    report = write_report(cfg, args, runs, conversion, out, started, load_start, speed)
     print(f"report: {out / 'report.json'}; learning curve: {out / 'learning_curve.png'}", file=sys.stderr)
     print(json.dumps(report))
     return 0

@@ -43,4 +43,7 @@ def test_two_step_runs_report_every_run_side_by_side(tmp_path):
     assert report["runs"]["opsd"]["distill_first_last"][0] > 1e-3
     assert {"opsd_gain_points", "opsd_gains_20_points", "no_privileged_moves_under_5_points",
             "under_30_minutes"} <= set(report["acceptance"])
+    speed = report["speed"]
+    assert speed["eval_items"] == 8 and set(speed["step_median"]) == {"rollout", "sequences", "score_backward_optimizer", "weight_sync"}
+    assert speed["evaluation"]["no_privileged_one_call"]["cpu_s"] > 0
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
