@@ -56,8 +56,24 @@ def run_child(args: list[str], log: Path) -> tuple[float, float]:
     return time.perf_counter() - start, child_cpu_seconds() - cpu
 
 
-def summarise(records: list[dict], wall_s: float, cpu_s: float) -> dict:
-    """One run's report from its metrics.jsonl records."""
+def reusable_records(run_dir: Path, max_steps: int) -> list[dict] | None:
+    """The records up to `max_steps` of a run that got there (an evaluation at max_steps included)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write
+            break
+    records = [r for r in records if r["step"] <= max_steps]
+    done = any(r["step"] == max_steps and "eval/accuracy" in r for r in records)
+    return records if done and records[0]["step"] == 0 else None
+
+
+def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) -> dict:
+    """One run's report from its metrics.jsonl records (wall time None: the sum of its stages)."""
     evals = [
         {
             "step": r["step"],
@@ -72,7 +88,10 @@ def summarise(records: list[dict], wall_s: float, cpu_s: float) -> dict:
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
     stage_s = {stage: sum(r.get(f"time_{stage}_s", 0.0) for r in steps) for stage in STAGES}
     stage_s["eval"] = sum(e["seconds"] for e in evals)
-    stage_s["startup_and_exit"] = wall_s - sum(stage_s.values())
+    if wall_s is None:
+        wall_s = sum(stage_s.values())
+    else:
+        stage_s["startup_and_exit"] = wall_s - sum(stage_s.values())
     per_step = {stage: statistics.median(r.get(f"time_{stage}_s", 0.0) for r in steps) for stage in STAGES} if steps else {}
     return {
         "eval": evals,
@@ -146,8 +165,9 @@ def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: fl
         "runs": runs,
         "acceptance": acceptance(runs),
         "conversion": conversion,
-        "total_wall_s": time.perf_counter() - started,
-        "total_cpu_s": conversion["cpu_s"] + sum(r["cpu_s"] for r in runs.values()),
+        # A reused run counts with its stages' time (its startup is not known).
+        "total_wall_s": time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused")),
+        "total_cpu_s": conversion["cpu_s"] + sum(r["cpu_s"] or 0.0 for r in runs.values()),
         "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
         "speed": speed,
     }
@@ -162,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=["opsd", "no_privileged", "sft"])
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--out", default="runs/learn", help="run directories, report.json and the PNG go here")
+    parser.add_argument("--keep", action="store_true",
+                        help="reuse a run directory whose metrics.jsonl already reaches train.max_steps (an "
+                             "interrupted benchmark, or a longer run with a constant schedule): its records up to "
+                             "max_steps are reported, its wall time is the sum of its stages, its CPU time unknown")
     parser.add_argument("--profile-steps", type=int, default=2,
                         help="after the runs, bench/step_profile.py with this many steps (0 = skip): the 'speed' key")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
@@ -186,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name in args.runs:
         run_dir = out / name
+        kept = reusable_records(run_dir, cfg.train.max_steps) if args.keep else None
+        if kept:
+            runs[name] = {"overrides": CONTROLS[name], "reused": True, **summarise(kept, None, None)}
+            print(f"  {name}: reused {run_dir} up to step {cfg.train.max_steps}", file=sys.stderr, flush=True)
+            continue
         if run_dir.exists():
             import shutil
 
