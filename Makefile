@@ -15,11 +15,13 @@ demo: $(ENV_STAMP)
 	rm -rf runs/demo
 	$(PYTHON) -m opsd.train --config configs/demo.yaml
 
+# Everything: tests/unit and tests/integration (real vLLM engines, training runs, torchrun). CI runs this.
 test: $(ENV_STAMP)
 	$(PYTHON) -m pytest -q
 
+# The unit tier: no engine run, no extra processes; under two minutes on 2 cores.
 test-fast: $(ENV_STAMP)
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q tests/unit
 
 bench: $(ENV_STAMP)
 	$(PYTHON) bench/loss_memory.py

@@ -79,7 +79,7 @@ def bench_model(kind: str, args) -> dict:
             res[name] = timed(HFEngine(model, processor, batch_size=batch_size), prompts, sampling, args.repeats)
         del model
 
-        engine = VLLMEngine(path, dtype=args.dtype, max_model_len=1024, kv_cache_memory_mb=64)
+        engine = VLLMEngine(path, dtype=args.dtype, max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
         llm = engine.llm
 
         def clear_caches():

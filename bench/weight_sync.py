@@ -69,7 +69,7 @@ def measure(size: str, bucket_mb: float, repeats: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="opsd-bench-") as tmp:
         build_model(Path(tmp), SIZES[size])
-        engine = VLLMEngine(tmp, dtype="float32", max_model_len=512, kv_cache_memory_mb=64)
+        engine = VLLMEngine(tmp, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True)
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
         stats = []
         sync_s = median_seconds(lambda: stats.append(push_weights(model, engine, bucket_mb=bucket_mb)), repeats)

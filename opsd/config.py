@@ -38,6 +38,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
+    """Let transformers and vLLM run the model's own code from `path` (models not in transformers)."""
 
 
 @dataclass(config=_STRICT)
@@ -47,8 +48,11 @@ class SyntheticDataConfig:
     problems with worked solutions (text schema, jsonl); `facts`: questions about `n_eval` fictional
     facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl)."""
     n_train: Annotated[int, Field(gt=0)] = 256
+    """Rows of the generated `train` split."""
     n_eval: Annotated[int, Field(ge=0)] = 32
+    """Rows of the generated `eval` split; 0 = none."""
     seed: int = 0
+    """Seed of the generator: the same seed writes the same files."""
     image_size: Annotated[int, Field(ge=28)] = 112
     """grid-paths only."""
     n_facts: Annotated[int, Field(gt=0)] | None = None
@@ -129,16 +133,19 @@ class PromptConfig:
         "You are a careful problem solver. Think step by step inside <think></think>, then give "
         "the final answer inside <answer></answer>."
     )
+    """System message of both prompts."""
     reference_intro: str = (
         "The following images are privileged visual references depicting intermediate visual "
         "thoughts on the path to the correct answer. Use them silently: do not describe or echo them."
     )
+    """Teacher prompt only: the text before the privileged images."""
     privileged_text_intro: str = "Privileged reference solution (use it silently):"
+    """Teacher prompt only: the text before the privileged text thoughts (and answer)."""
     transition: str = (
         "Now, using your own independent reasoning, answer the problem above. Think step by step."
     )
-    """Closes the teacher's prompt; empty = nothing (with `privileged: []` the teacher's prompt is
-    then the student's)."""
+    """Teacher prompt only: the text after the privileged information, before the completion;
+    empty = nothing (with `privileged: []` the teacher's prompt is then the student's)."""
     privileged: list[Literal["images", "text", "answer"]] = dataclasses.field(
         default_factory=lambda: ["images"]
     )
@@ -161,6 +168,7 @@ class ServerEngineConfig:
     startup_timeout_s: NonNegative = 300
     """How long to wait for the server to become healthy before giving up."""
     request_timeout_s: Positive = 600
+    """Longest wait for one HTTP request (a generation or a weight bucket) before it fails."""
     max_parallel_requests: Annotated[int, Field(gt=0)] = 32
     """Generation requests in flight at once (one per prompt; the server batches them)."""
 
@@ -187,15 +195,22 @@ class RolloutConfig:
     `vllm serve` over HTTP (`rollout.server`); or `package.module:Name`, a class (or factory) of your
     own called as `Name(cfg=..., model_path=..., processor=...)` (see README, custom rollouts)."""
     samples_per_prompt: Annotated[int, Field(gt=0)] = 1
+    """Completions sampled per prompt; each is trained on."""
     max_new_tokens: Annotated[int, Field(gt=0)] = 64
+    """Longest completion sampled (it may be cut further to fit `train.max_forward_tokens`)."""
     temperature: Positive = 1.0
+    """Sampling temperature (the logprobs the engine reports are always at temperature 1)."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling: sample from the smallest token set holding this probability; 1 = off."""
     top_k: Annotated[int, Field(ge=0)] = 0
     """0 = no top-k filtering when sampling."""
-    kv_cache_memory_mb: Annotated[int, Field(gt=0)] | None = 64
-    """vLLM KV cache size in MiB; None = let vLLM size it from `gpu_memory_utilization`."""
+    kv_cache_memory_mb: Annotated[int, Field(gt=0)] | None = None
+    """vLLM KV cache size in MiB; None = let vLLM size it from `gpu_memory_utilization`. On CPU set
+    it (the demo: 64): unbounded, vLLM reserves several GiB."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.3
-    enforce_eager: bool = True
+    """Share of GPU memory vLLM may take (weights, activations, KV cache); the trainer needs the rest."""
+    enforce_eager: bool = False
+    """vLLM without CUDA graphs or compilation: slower decoding, faster start (the CPU configs set it)."""
     sync_bucket_mb: Annotated[float, Field(gt=0)] = 256
     """Weight sync streams full tensors to the engine in buckets of at most this size."""
     server: ServerEngineConfig = dataclasses.field(default_factory=ServerEngineConfig)
@@ -218,12 +233,14 @@ class RolloutConfig:
 @dataclass(config=_STRICT)
 class LossConfig:
     kind: Literal["jsd", "tinker", "sft"] = "jsd"
-    """`jsd`: generalized JSD to the teacher on sampled completions; `tinker`: reverse-KL advantage on
-    the sampled tokens; `sft`: the off-policy baseline: no sampling and no teacher, cross-entropy
+    """Per-token distillation term: `jsd`, the generalized JSD over the teacher's top-k (the OPSD
+    reference); `tinker`, a policy gradient on the sampled token with the reverse KL as advantage;
+    `sft`, the off-policy baseline: no sampling, no teacher and no distillation term, cross-entropy
     (`ce_weight`) on each sample's privileged text (worked solution, fact) as the completion."""
     beta: Probability = 0.5
     """0 = KL(teacher || student), 1 = KL(student || teacher), else generalized JSD."""
     temperature: Positive = 1.0
+    """Both distributions are softened by this temperature; the term is scaled by its square."""
     top_k: Annotated[int, Field(ge=0)] = 256
     """Restrict to the teacher's top-k tokens, renormalised on both sides; 0 = full vocabulary."""
     token_clip: NonNegative = 0.05
@@ -231,9 +248,11 @@ class LossConfig:
     clip_mode: Literal["entry", "token"] = "entry"
     """`entry`: clamp each vocabulary entry before the sum (reference); `token`: clamp the sum."""
     jsd_weight: NonNegative = 1.0
+    """Weight of the distillation term (of either `kind`) in the loss."""
     ce_weight: NonNegative = 0.0
     """Weight of cross-entropy on the sampled completion tokens."""
     chunk_size: Annotated[int, Field(gt=0)] = 1024
+    """Completion tokens processed at once in the loss: bounds its float32 [chunk, vocabulary] memory."""
 
 
 @dataclass(config=_STRICT)
@@ -241,19 +260,29 @@ class TeacherConfig:
     mode: Literal["self", "ema", "fixed"] = "self"
     """`self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen initial copy."""
     ema_decay: Probability = 0.995
+    """`ema` only: after each step, teacher = decay * teacher + (1 - decay) * student."""
 
 
 @dataclass(config=_STRICT)
 class OptimConfig:
+    """AdamW with a linear warm-up, then a cosine decay to `min_lr` or a constant rate."""
+
     lr: Positive = 1e-5
+    """Peak learning rate, reached after `warmup_steps`."""
     min_lr: NonNegative = 1e-7
+    """Learning rate at `train.max_steps` for the cosine schedule (at most `lr`)."""
     schedule: Literal["cosine", "constant"] = "cosine"
+    """After the warm-up: `cosine` decay to `min_lr`, or `constant` at `lr`."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
+    """Optimizer steps of linear warm-up from 0 to `lr`."""
     betas: tuple[Probability, Probability] = (0.9, 0.95)
+    """AdamW's moment decay rates."""
     eps: Positive = 1e-15
+    """AdamW's denominator term."""
     weight_decay: NonNegative = 0.0
+    """AdamW's decoupled weight decay."""
     max_grad_norm: NonNegative = 1.0
-    """0 = no clipping."""
+    """Clip the gradient's global norm to this; 0 = no clipping (the norm is still logged)."""
 
 
 @dataclass(config=_STRICT)
@@ -261,11 +290,16 @@ class TrainConfig:
     max_steps: Annotated[int, Field(gt=0)] = 1000
     """Optimizer steps."""
     prompts_per_micro_step: Annotated[int, Field(gt=0)] = 1
+    """Prompts per forward/backward; a micro-batch holds `prompts_per_micro_step * rollout.samples_per_prompt`
+    sequences. Under torchrun: per rank."""
     grad_accum_steps: Annotated[int, Field(gt=0)] = 1
+    """Micro-steps per optimizer step: a step samples `prompts_per_micro_step * grad_accum_steps` prompts."""
     max_forward_tokens: Annotated[int, Field(gt=0)] = 10240
     """Longest sequence fed to a forward; the completion is truncated so the teacher's fits."""
     seed: int = 0
+    """Seeds the data order, the sampling (per step and prompt) and the global RNGs."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's models live; `auto` = CUDA when available."""
 
 
 @dataclass(config=_STRICT)
@@ -275,6 +309,7 @@ class EvalConfig:
     num_samples: Annotated[int, Field(gt=0)] = 64
     """Samples taken from the datasets' eval splits (the first usable ones, the same every time)."""
     max_new_tokens: Annotated[int, Field(gt=0)] = 256
+    """Longest greedy answer."""
     answer_pattern: str = r"<answer>(.*?)</answer>"
     """Regex; the last match in a completion is its answer (group 1 if the pattern has groups)."""
     with_teacher_prompt: bool = False
@@ -314,16 +349,26 @@ class DistributedConfig:
 @dataclass(config=_STRICT)
 class WandbConfig:
     mode: Literal["online", "offline", "disabled"] = "disabled"
+    """`online`: stream to wandb; `offline`: write under the output directory, sync later; `disabled`: off."""
     project: str = "opsd"
+    """wandb project."""
     name: str | None = None
+    """wandb run name; None = wandb's own."""
 
 
 @dataclass(config=_STRICT)
 class LoggingConfig:
     output_dir: str = "runs/default"
+    """The run's directory: metrics.jsonl, checkpoints, rollout dumps, the third-party log (run.log)."""
     log_every: Annotated[int, Field(gt=0)] = 1
+    """Print the step's metrics line every this many steps (metrics.jsonl gets every step)."""
     progress_bar: bool = True
+    """One tqdm bar over the optimizer steps (rank 0)."""
+    verbose: bool = False
+    """Also show third-party output (vLLM, transformers, warnings) on the console; it always goes to
+    `<output_dir>/run.log`. `python -m opsd.train --verbose` sets it."""
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases logging."""
     dump_rollouts_every: Annotated[int, Field(ge=0)] = 0
     """Write every N-th step's rollouts with per-token scores to
     `<output_dir>/rollouts/step_{N}_rank_{R}.parquet`; 0 = off (nothing is computed)."""
@@ -367,18 +412,32 @@ class CheckpointConfig:
 
 @dataclass(config=_STRICT)
 class Config:
+    """A run: every section below has its own dataclass; the leaf fields carry their docstrings."""
+
     model: ModelConfig
+    """The student's weights and compute dtype."""
     data: DataConfig
+    """Training (and evaluation) datasets."""
     prompts: PromptConfig = dataclasses.field(default_factory=PromptConfig)
+    """How the student's and the teacher's prompts are written."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """The sampling engine and its settings."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    """The per-token distillation term and its weights."""
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    """Which weights score the teacher prompts."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Steps, batch shape, sequence budget, seed, device."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Greedy evaluation during training."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Output directory, console, metrics, rollout dumps."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Saving, rotation and resuming."""
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    """FSDP2 under torchrun."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from opsd.sequences import Example, build_sample_examples, encode_prompt, paddin
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts
 from opsd.trainer.checkpoint_manager import CheckpointManager
+from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import shard_model
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer
@@ -46,29 +48,30 @@ from opsd.trainer.step import train_step
 
 
 def train(cfg: Config) -> Path:
-    run = start_run(cfg)
-    baseline_evaluation(run)
-    progress = cfg.logging.progress_bar and run.ranks.is_main
-    steps = range(run.start_step + 1, cfg.train.max_steps + 1)
-    for step in tqdm(steps, initial=run.start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
-        timer, lr = StageTimer(), run.scheduler.get_last_lr()[0]
-        with timer("rollout"):
-            samples, prompts, completions = sample(run, step)
-        with timer("train"):
-            examples, counts, step_tokens = build_sequences(run, samples, prompts, completions)
-        if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
-            finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr})
-            continue
-        recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
-        with timer("train"):
-            metrics = update_student(run, examples, step_tokens, recorder, samples[0])
-            run.scheduler.step()
-            update_teacher(cfg.teacher, run.teacher, run.student)
-        with timer("weight_sync"):  # the next rollouts are on-policy
-            sync = push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
-        record = {**metrics, **counts, "lr": lr, **timer.record(), "weight_sync_bytes": sync.bytes}
-        finish_step(run, step, record, rollouts=(recorder, examples, samples) if recorder else None)
-    end_run(run)
+    with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file:
+        run = start_run(cfg, log_file)
+        baseline_evaluation(run)
+        progress = cfg.logging.progress_bar and run.ranks.is_main
+        steps = range(run.start_step + 1, cfg.train.max_steps + 1)
+        for step in tqdm(steps, initial=run.start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
+            timer, lr = StageTimer(), run.scheduler.get_last_lr()[0]
+            with timer("rollout"):
+                samples, prompts, completions = sample(run, step)
+            with timer("train"):
+                examples, counts, step_tokens = build_sequences(run, samples, prompts, completions)
+            if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
+                finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr})
+                continue
+            recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
+            with timer("train"):
+                metrics = update_student(run, examples, step_tokens, recorder, samples[0])
+                run.scheduler.step()
+                update_teacher(cfg.teacher, run.teacher, run.student)
+            with timer("weight_sync"):  # the next rollouts are on-policy
+                sync = push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+            record = {**metrics, **counts, "lr": lr, **timer.record(), "weight_sync_bytes": sync.bytes}
+            finish_step(run, step, record, rollouts=(recorder, examples, samples) if recorder else None)
+        end_run(run)
     return run.output_dir
 
 
@@ -90,6 +93,7 @@ class Run:
     logger: MetricsLogger | NullMetricsLogger
     checkpoints: CheckpointManager
     start_step: int = 0
+    started: float = field(default_factory=time.perf_counter)
 
     @property
     def pad_id(self) -> int:
@@ -100,11 +104,13 @@ class Run:
         return self.cfg.train.prompts_per_micro_step * self.cfg.train.grad_accum_steps
 
 
-def start_run(cfg: Config) -> Run:
-    """Process group, data, engine, models, optimizer, logger; resumed from a checkpoint when asked."""
+def start_run(cfg: Config, log_file: Path) -> Run:
+    """Process group, data, engine, models, optimizer, logger; resumed from a checkpoint when asked.
+    What the engine prints while it starts goes to `log_file` unless `logging.verbose`."""
     output_dir = Path(cfg.logging.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     ranks = init_distributed(cfg.distributed, cfg.train.device)  # before the engine: vLLM joins this group
+    if ranks.is_main:
+        print(describe_plan(cfg), flush=True)
     checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
@@ -112,7 +118,8 @@ def start_run(cfg: Config) -> Run:
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor))
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
-    engine = make_engine(cfg, model_dir, processor)
+    with native_output_to_log(None if cfg.logging.verbose else log_file):
+        engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
     # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
     student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else ranks.device)
@@ -205,6 +212,9 @@ def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None
 
 
 def end_run(run: Run) -> None:
+    summary = run.logger.summary(time.perf_counter() - run.started)
+    if summary:
+        tqdm.write(summary)
     run.logger.close()
     run.ranks.barrier()
     run.engine.close()
@@ -255,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show third-party output (vLLM, transformers, warnings) on the console; "
+                             "it always goes to <output_dir>/run.log (sets logging.verbose)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
     return parser.parse_args(argv)
 
@@ -262,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + (["logging.verbose=true"] if args.verbose else []))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -27,9 +27,8 @@ def images_per_prompt(cfg) -> int:
 
 
 def engine_args(
-    model_path: str, *, dtype: str = "float32", max_model_len: int = 4096, max_images_per_prompt: int = 8,
-    kv_cache_memory_mb: int | None = None, gpu_memory_utilization: float = 0.3, enforce_eager: bool = False,
-    seed: int = 0, sleep_mode: bool = False, trust_remote_code: bool = False,
+    model_path: str, *, dtype: str, max_model_len: int, max_images_per_prompt: int, kv_cache_memory_mb: int | None,
+    gpu_memory_utilization: float, enforce_eager: bool, seed: int, sleep_mode: bool, trust_remote_code: bool,
 ) -> dict:
     """`vllm.LLM` / `vllm serve` engine arguments (EngineArgs names)."""
     args = {

@@ -8,6 +8,7 @@ import tempfile
 
 import torch
 
+from opsd.config import ModelConfig, RolloutConfig
 from opsd.prompts import Prompt
 from opsd.rollout.colocate import engine_kwargs, generate_in_group
 from opsd.rollout.engine import Completion, SamplingSettings
@@ -40,18 +41,19 @@ class VLLMEngine:
         self,
         model_path: str,
         *,
-        dtype: str = "float32",
+        dtype: str = ModelConfig.dtype,
         max_model_len: int = 4096,
         max_images_per_prompt: int = 8,
-        kv_cache_memory_mb: int | None = 64,
-        gpu_memory_utilization: float = 0.3,
-        enforce_eager: bool = True,
+        kv_cache_memory_mb: int | None = RolloutConfig.kv_cache_memory_mb,
+        gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization,
+        enforce_eager: bool = RolloutConfig.enforce_eager,
         seed: int = 0,
         tensor_parallel_size: int = 1,
-        sleep_mode: bool = False,
+        sleep_mode: bool = RolloutConfig.sleep_mode,
         trust_remote_code: bool = False,
     ):
-        """`engine_args` (opsd/rollout/vllm_args.py) says what each option sets in vLLM."""
+        """Defaults are the config's (opsd/config.py); `engine_args` (opsd/rollout/vllm_args.py) says
+        what each option sets in vLLM."""
         _set_env_defaults()
         from vllm import LLM
 

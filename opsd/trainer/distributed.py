@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from opsd.config import DistributedConfig
-from opsd.device import process_world_size, resolve_device
+from opsd.device import process_rank, process_world_size, resolve_device
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def init_distributed(cfg: DistributedConfig, device_name: str) -> Ranks:
     """Join the torchrun process group (gloo on CPU, nccl on CUDA) and build the FSDP mesh."""
     if not launched_by_torchrun():
         return Ranks(device=resolve_device(device_name))
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world_size = process_rank(), process_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_name)
     if device.type == "cuda":

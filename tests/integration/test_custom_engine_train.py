@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from opsd.modeling import load_model, load_processor
@@ -11,6 +12,7 @@ from tests.helpers.runs import demo_config, read_metrics
 RECORDING_ENGINE = "tests.helpers.recording_engine:RecordingEngine"
 
 
+@pytest.mark.slow
 def test_custom_engine_hook_records_every_trainable_parameter_every_step(tmp_path, tiny_vlm_dir, grid_data_dir):
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, f"rollout.engine={RECORDING_ENGINE}", "rollout.sync_bucket_mb=0.5", "rollout.max_new_tokens=8")
     output_dir = train(cfg)

@@ -93,6 +93,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_with_uneven_and_empty_shares_match_one_process(tmp_path, tiny_text_dir):
     ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, str(tiny_text_dir), str(tmp_path))) for r in (0, 1)]

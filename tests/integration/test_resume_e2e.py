@@ -148,7 +148,7 @@ def test_checkpoint_model_dir_loads_in_transformers_and_vllm(straight_run, grid_
 
     prompts = [student_prompt(s, processor, PromptConfig()) for s in load_samples(grid_data_dir / "eval.parquet")[:3]]
     sampling = SamplingSettings(max_new_tokens=12, n=2, seed=5, banned_token_ids=placeholder_token_ids(processor))
-    engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64)
+    engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
     try:
         completions = engine.generate(prompts, sampling)
     finally:

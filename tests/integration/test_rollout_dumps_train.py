@@ -45,6 +45,7 @@ def test_per_token_records_stay_within_a_chunk_of_memory():
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_training_dumps_rollouts_that_re_add_to_the_logged_metrics(tmp_path, tiny_vlm_dir, grid_data_dir):
     """The dumped per-token numbers are the step's own: they give back its loss and mismatch."""
     import datasets

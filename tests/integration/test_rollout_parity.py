@@ -21,7 +21,7 @@ def make_engine(kind, model_dir, processor):
     if kind == "vllm":
         from opsd.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64)
+        return VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
     from opsd.rollout.hf_engine import HFEngine
 
     return HFEngine(load_model(ModelConfig(path=str(model_dir)), processor, torch.device("cpu")), processor)
@@ -71,7 +71,7 @@ def test_vllm_update_changes_engine_weights(tiny_vlm_dir):
 
     processor = load_processor(ModelConfig(path=str(tiny_vlm_dir)))
     trainer = load_model(ModelConfig(path=str(tiny_vlm_dir)), processor, torch.device("cpu"))
-    engine = VLLMEngine(str(tiny_vlm_dir), max_model_len=1024)
+    engine = VLLMEngine(str(tiny_vlm_dir), max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
     try:
         before = engine.weight_checksums()
         push_weights(trainer, engine, bucket_mb=0.05)
@@ -96,7 +96,7 @@ def test_vllm_seeded_sampling_of_a_batch_larger_than_one_prefill_step(tiny_text_
 
     words = " ".join(["step path maze grid answer think"] * 20)
     prompts = [Prompt(f"<|im_start|>user\n{i} {words}<|im_end|>\n<|im_start|>assistant\n", []) for i in range(40)]
-    engine = VLLMEngine(str(tiny_text_dir), dtype="float32", max_model_len=1024)
+    engine = VLLMEngine(str(tiny_text_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
     try:
         assert sum(len(engine.tokenizer(p.text)["input_ids"]) for p in prompts) > 4096  # vLLM's default budget
         completions = engine.generate(prompts, SamplingSettings(max_new_tokens=4, seed=1))

@@ -29,6 +29,7 @@ def test_dump_needs_a_config_or_a_model_and_data(tmp_path, capsys):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
     common = [
         "--config", "configs/demo.yaml", "--num-samples", "2", f"model.path={tiny_vlm_dir}",

@@ -14,6 +14,7 @@ REQUIRED_KEYS = {
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
     records = read_metrics(train(demo_config(tmp_path, tiny_vlm_dir, grid_data_dir)))
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -25,6 +26,7 @@ def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
     assert records[1]["lr"] > 0 and records[1]["grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir):
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "loss.kind=tinker", "teacher.mode=fixed")
     records = read_metrics(train(cfg))
@@ -33,6 +35,7 @@ def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_di
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, grid_data_dir, monkeypatch):
     """Without the weight sync the engine samples from old weights, and the metric shows it."""
     from opsd.rollout.vllm_engine import VLLMEngine
@@ -44,6 +47,7 @@ def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, gr
     assert records[-1]["logprob_mismatch_max"] > 1e-2
 
 
+@pytest.mark.slow
 def test_cli_entry_point(tmp_path, tiny_vlm_dir, grid_data_dir):
     args = [
         "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",

@@ -1,11 +1,19 @@
 """Config loading: every shipped config parses and dry-runs; bad keys and values are named."""
 
+import ast
 from pathlib import Path
 
 import pytest
+import torch
 
-from opsd.config import ConfigError, config_from_dict, load_config
+from opsd import config as config_module
+from opsd.config import ConfigError, ModelConfig, config_from_dict, load_config
+from opsd.data.sample import Sample
+from opsd.data.synthetic import generate_samples
+from opsd.modeling import load_processor
+from opsd.prompts import student_prompt, teacher_prompt
 from opsd.train import main
+from opsd.trainer.optim import build_optimizer, build_scheduler
 
 CONFIGS = sorted(Path(__file__).parents[2].glob("configs/*.yaml"))
 MINIMAL = {"model": {"path": "m"}, "data": {"path": "d"}}
@@ -24,14 +32,35 @@ def test_every_shipped_config_dry_runs(path, capsys):
     assert "plan:" in out and "optimizer steps" in out
 
 
-def test_reference_recipe_has_reference_hyperparameters():
+def test_reference_recipe_schedule_warms_up_then_decays_to_its_floor():
+    """The paper's schedule as the recipe runs it: linear warm-up over 200 steps to 1e-5, cosine to 1e-7."""
     cfg = load_config("configs/visual_opsd_qwen25vl_7b.yaml")
-    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_steps, cfg.train.max_steps) == (1e-5, 1e-7, 200, 1000)
-    assert tuple(cfg.optim.betas) == (0.9, 0.95) and cfg.optim.eps == 1e-15 and cfg.optim.max_grad_norm == 1.0
-    assert (cfg.loss.beta, cfg.loss.top_k, cfg.loss.token_clip, cfg.loss.ce_weight, cfg.loss.jsd_weight) == (0.5, 256, 0.05, 0, 1)
-    assert cfg.teacher.mode == "ema" and cfg.teacher.ema_decay == 0.995
-    assert cfg.train.grad_accum_steps == 2 and cfg.train.max_forward_tokens == 10240
-    assert cfg.rollout.max_new_tokens == 1024 and cfg.model.dtype == "bfloat16"
+    optimizer = build_optimizer(cfg.optim, torch.nn.Linear(2, 2))
+    scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
+    rates = []
+    for _ in range(cfg.train.max_steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert rates[0] == 0 and rates[100] == pytest.approx(5e-6) and max(rates) == pytest.approx(1e-5)
+    assert rates.index(max(rates)) == 200
+    assert rates[-1] == pytest.approx(1e-7, rel=0.05) and all(a >= b for a, b in zip(rates[200:], rates[201:]))
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.95) and optimizer.param_groups[0]["eps"] == 1e-15
+
+
+def test_every_config_field_has_a_docstring():
+    """Each field of opsd/config.py's dataclasses is followed by its docstring (the README links there)."""
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    missing = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
+            body = node.body
+            for field, following in zip(body, body[1:] + [None]):
+                if isinstance(field, ast.AnnAssign):
+                    documented = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    if not documented:
+                        missing.append(f"{node.name}.{field.target.id}")
+    assert missing == []
 
 
 def test_overrides_apply_and_parse_yaml_scalars():
@@ -83,10 +112,20 @@ def test_overrides_index_lists():
         load_config("configs/text_opsd_smollm2.yaml", ["data.datasets.1.path=/data/y"])
 
 
-def test_recipes_use_their_schemas():
-    thinkmorph = load_config("configs/visual_opsd_thinkmorph.yaml")
-    assert {d.schema for d in thinkmorph.data.datasets} == {"thinkmorph"} and thinkmorph.prompts.privileged == ["images"]
-    for name in ("text_opsd_qwen3_1p7b.yaml", "text_opsd_smollm2.yaml"):
-        cfg = load_config(f"configs/{name}")
-        assert {d.schema for d in cfg.data.datasets} == {"text"} and cfg.prompts.privileged == ["text"]
-        assert cfg.eval.every > 0 and cfg.eval.with_teacher_prompt
+@pytest.mark.parametrize("name", ["text_opsd_qwen3_1p7b.yaml", "text_opsd_smollm2.yaml"])
+def test_text_recipes_give_the_worked_solution_to_the_teacher_only(name, tiny_text_dir):
+    cfg = load_config(f"configs/{name}")
+    processor = load_processor(ModelConfig(path=str(tiny_text_dir)))
+    sample = Sample(id="s", question="What is 2 + 3?", images=[], privileged_images=[],
+                    privileged_text="2 + 3 = 5, so the answer is 5.", answer="5")
+    assert "2 + 3 = 5" in teacher_prompt(sample, processor, cfg.prompts).text
+    assert "2 + 3 = 5" not in student_prompt(sample, processor, cfg.prompts).text
+
+
+def test_thinkmorph_recipe_shows_the_visual_thoughts_to_the_teacher_only(tiny_vlm_dir):
+    cfg = load_config("configs/visual_opsd_thinkmorph.yaml")
+    processor = load_processor(ModelConfig(path=str(tiny_vlm_dir)))
+    sample = generate_samples(1, seed=0)[0]
+    student, teacher = student_prompt(sample, processor, cfg.prompts), teacher_prompt(sample, processor, cfg.prompts)
+    assert len(student.images) == len(sample.images)
+    assert len(teacher.images) == len(sample.images) + len(sample.privileged_images) > len(student.images)

@@ -1,0 +1,81 @@
+"""Sequences: prompt ids followed by the completion ids, the completion budget, batching, the length check."""
+
+import pytest
+
+from opsd.config import PromptConfig
+from opsd.data.errors import BadSample
+from opsd.data.sample import Sample
+from opsd.prompts import student_prompt, teacher_prompt
+from opsd.rollout.engine import Completion
+from opsd.sequences import (
+    EncodedPrompt, build_examples, build_sample_examples, collate, completion_budget, encode_prompt,
+    padding_example, prompt_length_check,
+)
+from tests.helpers.examples import text_model
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_text_dir):
+    return text_model(tiny_text_dir)[1]
+
+
+def sample(i=0, privileged_text="a worked solution"):
+    return Sample(id=f"s{i}", question=f"What is {i} + 1?", images=[], privileged_images=[], privileged_text=privileged_text)
+
+
+def test_encoding_adds_no_special_tokens(processor):
+    prompt = student_prompt(sample(), processor, PromptConfig())
+    assert encode_prompt(processor, prompt).input_ids == processor(prompt.text, add_special_tokens=False)["input_ids"]
+
+
+def test_collate_marks_the_positions_that_predict_each_completion_token():
+    prompts = [EncodedPrompt([1, 2, 3]), EncodedPrompt([4])]
+    batch = collate(prompts, [[7, 8], [9, 10, 11]], pad_id=0)
+    assert batch.inputs["input_ids"].tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0]]
+    assert batch.inputs["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert batch.completion_ids.tolist() == [7, 8, 9, 10, 11]
+    rows, cols = batch.predicts_completion.nonzero(as_tuple=True)
+    # The token after each marked position is the completion token it predicts, in row-major order.
+    assert batch.inputs["input_ids"][rows, cols + 1].tolist() == batch.completion_ids.tolist()
+    assert batch.num_tokens == 5
+
+
+def test_completions_are_cut_to_the_longer_prompt_and_dropped_when_nothing_fits():
+    short, long = EncodedPrompt([1] * 4), EncodedPrompt([1] * 7)
+    assert completion_budget(short, long, 10) == 3 and completion_budget(long, long, 7) == 0
+    completions = [
+        Completion(0, [5, 6, 7, 8, 9], [-1.0] * 5),  # cut to 3
+        Completion(0, [], []),  # empty: dropped
+        Completion(1, [5], [-1.0]),  # prompt already at the budget: dropped
+    ]
+    examples, counts = build_examples([short, long], [long, EncodedPrompt([1] * 10)], ["a", "b"], completions, 10)
+    assert [(e.sample_id, e.completion_ids, len(e.engine_logprobs)) for e in examples] == [("a", [5, 6, 7], 3)]
+    assert counts == {"empty_completions": 1, "truncated_completions": 1, "prompt_too_long": 1}
+
+
+def test_the_teacher_sequence_ends_with_the_student_completion_ids(processor):
+    cfg = PromptConfig(privileged=["text"])
+    samples = [sample(0), sample(1)]
+    prompts = [student_prompt(s, processor, cfg) for s in samples]
+    completions = [Completion(1, [11, 12], [-0.5, -0.5]), Completion(0, [13], [-0.1])]
+    examples, _ = build_sample_examples(processor, cfg, samples, prompts, completions, 1024)
+    assert [e.sample_id for e in examples] == ["s1", "s0"]
+    for e, s in zip(examples, [samples[1], samples[0]]):
+        assert e.teacher.input_ids == encode_prompt(processor, teacher_prompt(s, processor, cfg)).input_ids
+        assert len(e.teacher.input_ids) > len(e.student.input_ids)  # the worked solution
+
+
+def test_prompt_length_check_measures_the_teacher_prompt(processor):
+    cfg = PromptConfig(privileged=["text"])
+    s = sample(privileged_text="step " * 200)
+    student_len = len(encode_prompt(processor, student_prompt(s, processor, cfg)).input_ids)
+    check = prompt_length_check(processor, cfg, max_forward_tokens=student_len + 10)
+    with pytest.raises(BadSample) as err:
+        check(s)
+    assert err.value.reason == "prompt_too_long"
+    prompt_length_check(processor, cfg, max_forward_tokens=4096)(s)  # fits: no error
+
+
+def test_padding_example_is_one_token():
+    example = padding_example(EncodedPrompt([1, 2]), EncodedPrompt([1, 2, 3]), token_id=0)
+    assert example.completion_ids == [0] and example.engine_logprobs == [0.0]

@@ -1,0 +1,70 @@
+"""The optimizer step: global token normalisation, so the update does not depend on the micro-batch size."""
+
+import copy
+
+import pytest
+import torch
+
+from opsd.config import LossConfig
+from opsd.trainer.step import micro_batches, train_step
+from opsd.trainer.distributed import Ranks
+from tests.helpers.examples import text_examples, text_model
+
+
+@pytest.fixture(scope="module")
+def model_and_processor(tiny_text_dir):
+    return text_model(tiny_text_dir)
+
+
+def one_step(model, processor, examples, micro_batch_size, loss_cfg):
+    student = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(student.parameters(), lr=1.0)  # the update is the gradient itself
+    metrics = train_step(student, student, examples, optimizer, loss_cfg=loss_cfg, micro_batch_size=micro_batch_size,
+                         max_grad_norm=0.0, dtype="float32", pad_id=processor.pad_token_id)
+    return student, metrics
+
+
+@pytest.mark.parametrize("loss_cfg", [LossConfig(top_k=16, ce_weight=0.3), LossConfig(kind="tinker")], ids=["jsd+ce", "tinker"])
+def test_micro_batch_size_leaves_the_update_unchanged(model_and_processor, loss_cfg):
+    model, processor = model_and_processor
+    examples = text_examples(processor, [2, 7, 3, 5, 1], seed=3)  # uneven lengths: per-batch means would differ
+    whole, whole_metrics = one_step(model, processor, examples, 5, loss_cfg)
+    for size in (1, 2, 3):
+        split, metrics = one_step(model, processor, examples, size, loss_cfg)
+        for (name, a), b in zip(whole.named_parameters(), split.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
+        for key in ("loss", "jsd", "ce", "grad_norm", "completion_tokens", "logprob_mismatch_mean"):
+            assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-7), key
+    moved = max((a - b).abs().max().item() for a, b in zip(whole.parameters(), model.parameters()))
+    assert moved > 1e-4  # the step did change the weights
+
+
+def test_metrics_are_token_means_over_the_step(model_and_processor):
+    model, processor = model_and_processor
+    examples = text_examples(processor, [4, 2])
+    cfg = LossConfig(top_k=16, jsd_weight=1.0, ce_weight=0.5)
+    _, metrics = one_step(model, processor, examples, 1, cfg)
+    assert metrics["completion_tokens"] == 6 and metrics["completion_len"] == 3
+    assert metrics["loss"] == pytest.approx(metrics["jsd"] + 0.5 * metrics["ce"])
+
+
+def test_a_rank_with_fewer_micro_batches_needs_a_padding_example():
+    with pytest.raises(ValueError, match="no padding example"):
+        _fewer([], None)
+
+
+def _fewer(examples, padding):
+    """`micro_batches` as a rank that has fewer than the busiest one (2) sees it."""
+
+    class Busier(Ranks):
+        def max(self, values):
+            return [2]
+
+    return micro_batches(examples, 2, Busier(), padding)
+
+
+def test_padding_fills_up_to_the_busiest_rank():
+    from opsd.sequences import EncodedPrompt, padding_example
+
+    pad = padding_example(EncodedPrompt([1]), EncodedPrompt([1]), 0)
+    assert _fewer([], pad) == [[pad], [pad]]
