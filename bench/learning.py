@@ -86,6 +86,8 @@ def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) ->
         for r in records if "eval/accuracy" in r
     ]
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
+    # The distillation term is logged under its loss kind's name (opsd.scoring.DISTILL_METRIC).
+    distill = next((k for k in ("jsd", "tinker_loss", "distill") if steps and k in steps[0]), None)
     stage_s = {stage: sum(r.get(f"time_{stage}_s", 0.0) for r in steps) for stage in STAGES}
     stage_s["eval"] = sum(e["seconds"] for e in evals)
     if wall_s is None:
@@ -98,7 +100,7 @@ def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) ->
         "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"] if evals else None,
         "steps": len(steps),
         "completion_tokens": sum(r["completion_tokens"] for r in steps),
-        "distill_first_last": [steps[0]["jsd"], steps[-1]["jsd"]] if steps else None,
+        "distill_first_last": [steps[0][distill], steps[-1][distill]] if steps else None,
         "ce_first_last": [steps[0]["ce"], steps[-1]["ce"]] if steps else None,
         "wall_s": wall_s,
         "cpu_s": cpu_s,
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(run_dir)  # a fresh run every time (the recipe would resume a finished one)
-        overrides = [*args.overrides, *CONTROLS[name], f"logging.output_dir={run_dir}", "eval.at_start=true",
+        overrides = [*args.overrides, *CONTROLS[name], f"logging.output_dir={run_dir}",
                      "logging.progress_bar=false"]
         print(f"run {name}: python -m opsd.train --config {args.config} {' '.join(overrides)}", file=sys.stderr, flush=True)
         wall, cpu = run_child(["-m", "opsd.train", "--config", args.config, *overrides], out / f"{name}.log")

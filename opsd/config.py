@@ -150,8 +150,21 @@ class PromptConfig:
         default_factory=lambda: ["images"]
     )
     """What the teacher's prompt adds: privileged images (the reference), text thoughts, answer."""
-    noise_privileged_images: bool = False
-    """Ablation: replace privileged images with Gaussian noise of the same size."""
+    noise: Literal["off", "normal", "pixel"] = "off"
+    """Ablation of the privileged images. `normal` (the reference): the processor's normalised pixel
+    tensor of each privileged image is replaced by fresh standard normal noise (std 1 in model-input
+    space) at every use, drawn from the run's torch RNG (checkpointed, so a resume stays exact);
+    engines, which take images rather than model inputs (eval with `with_teacher_prompt`), see the
+    `pixel` noise images. `pixel`: Gaussian-noise images (mean 127.5, std 64) of the same size,
+    seeded per sample, the same at every use."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_noise_key(cls, data):
+        if isinstance(data, dict) and "noise_privileged_images" in data:
+            raise ValueError("noise_privileged_images was replaced by prompts.noise: normal (the reference "
+                             "ablation, noise on the model inputs) or pixel (noise images, the former behaviour)")
+        return data
 
 
 BUILTIN_ENGINES = ("vllm", "hf", "server")
@@ -305,7 +318,8 @@ class TrainConfig:
 @dataclass(config=_STRICT)
 class EvalConfig:
     every: Annotated[int, Field(ge=0)] = 0
-    """Evaluate every this many optimizer steps and after the last; 0 = never."""
+    """Evaluate before the first step (logged as step 0), every this many optimizer steps and after
+    the last; 0 = never."""
     num_samples: Annotated[int, Field(gt=0)] = 64
     """Samples taken from the datasets' eval splits (the first usable ones, the same every time)."""
     max_new_tokens: Annotated[int, Field(gt=0)] = 256
@@ -314,8 +328,6 @@ class EvalConfig:
     """Regex; the last match in a completion is its answer (group 1 if the pattern has groups)."""
     with_teacher_prompt: bool = False
     """Also evaluate with the teacher's prompt (`eval/teacher_accuracy`): the privileged gap."""
-    at_start: bool = False
-    """Also evaluate before the first step (logged as step 0): the baseline a run starts from."""
 
     @field_validator("answer_pattern")
     @classmethod

@@ -12,13 +12,14 @@ memory beyond the inputs and their gradient does not grow with N x V.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["generalized_jsd", "tinker_loss", "token_logprobs"]
+__all__ = ["GuardrailSums", "generalized_jsd", "guardrail_sums", "tinker_loss", "token_logprobs"]
 
 _TINKER_CHUNK_ROWS = 1024
 
@@ -47,19 +48,23 @@ def _by_rows(fn, chunk_size: int, use_checkpoint: bool, *tensors: Tensor) -> Ten
     return torch.cat(outs)
 
 
+def _divergence_terms(s: Tensor, t: Tensor, beta: float, temperature: float) -> Tensor:
+    """Per-entry divergence terms [n, k] of logit rows [n, k] (k = the kept vocabulary entries)."""
+    log_s = F.log_softmax(_upcast(s) / temperature, dim=-1)
+    log_t = F.log_softmax(_upcast(t) / temperature, dim=-1)
+    if beta == 0:  # forward KL(teacher || student); the mixture form would take log(0)
+        return log_t.exp() * (log_t - log_s)
+    if beta == 1:  # reverse KL(student || teacher)
+        return log_s.exp() * (log_s - log_t)
+    log_m = torch.logaddexp(log_s + math.log(1 - beta), log_t + math.log(beta))
+    return beta * log_t.exp() * (log_t - log_m) + (1 - beta) * log_s.exp() * (log_s - log_m)
+
+
 def _divergence(
     s: Tensor, t: Tensor, beta: float, temperature: float, token_clip: float, clip_mode: str
 ) -> Tensor:
     """Per-token divergence of logit rows [n, k] (k = the kept vocabulary entries)."""
-    log_s = F.log_softmax(_upcast(s) / temperature, dim=-1)
-    log_t = F.log_softmax(_upcast(t) / temperature, dim=-1)
-    if beta == 0:  # forward KL(teacher || student); the mixture form would take log(0)
-        terms = log_t.exp() * (log_t - log_s)
-    elif beta == 1:  # reverse KL(student || teacher)
-        terms = log_s.exp() * (log_s - log_t)
-    else:
-        log_m = torch.logaddexp(log_s + math.log(1 - beta), log_t + math.log(beta))
-        terms = beta * log_t.exp() * (log_t - log_m) + (1 - beta) * log_s.exp() * (log_s - log_m)
+    terms = _divergence_terms(s, t, beta, temperature)
     if token_clip > 0 and clip_mode == "entry":
         terms = terms.clamp(max=token_clip)
     loss = terms.sum(dim=-1)
@@ -143,11 +148,11 @@ def tinker_loss(
 ) -> Tensor:
     """Per-token on-policy distillation loss [N] on the sampled tokens y.
 
-    A = log p_T(y) - log p_S(y) (detached) and loss = -A * log p_S(y). With sampler_logprobs (the
-    sampling engine's log p(y), possibly from lagging weights) the loss is importance weighted,
-    -A * exp(log p_S(y) - sampler_logprobs), whose gradient is -A * ratio * grad log p_S(y); when the
-    sampler has the student's weights the ratio is 1 and the gradient equals the plain form (the
-    value differs: -A instead of -A * log p_S(y)).
+    A = log p_T(y) - log p_S(y) at the loss temperature (detached) and loss = -A * log p_S(y).
+    With sampler_logprobs (the sampling engine's raw log p(y), possibly from lagging weights) each
+    token is importance weighted by ratio = exp(log p_S(y) - sampler_logprobs), both sides raw
+    (temperature 1) whatever the loss temperature, so that the ratio is 1 when the sampler holds the
+    student's weights; the ratio is detached: loss = -A * ratio * log p_S(y).
     """
     _check_logits(student_logits, teacher_logits)
     n = student_logits.shape[0]
@@ -169,4 +174,85 @@ def tinker_loss(
     advantage = (teacher_lp - student_lp).detach()
     if sampler_logprobs is None:
         return -advantage * student_lp
-    return -advantage * torch.exp(student_lp - _upcast(sampler_logprobs.detach()))
+    with torch.no_grad():
+        raw_lp = student_lp if temperature == 1 else token_logprobs(
+            student_logits, sampled_ids, chunk_size=_TINKER_CHUNK_ROWS
+        )
+        ratio = torch.exp(raw_lp - _upcast(sampler_logprobs))
+    return -advantage * ratio * student_lp
+
+
+@dataclass
+class GuardrailSums:
+    """Sums over a batch's completion tokens behind the per-step guardrail metrics; they add up over
+    micro-batches and ranks before the division (`GuardrailSums.metrics`)."""
+
+    tokens: float = 0.0
+    teacher_topk_mass: float = 0.0
+    """Sum of the teacher's probability (at the loss temperature) inside its top-k; 1 per token at top_k 0."""
+    clipped: float = 0.0
+    """Clipped entries (`entry` clip) or tokens (`token` clip)."""
+    clip_candidates: float = 0.0
+    """Entries or tokens the clip looked at (0 when the loss does not clip)."""
+    student_entropy: float = 0.0
+    """Sum of the student's entropy (temperature 1, full vocabulary), nats."""
+
+    def add(self, other: "GuardrailSums") -> None:
+        for name in vars(self):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_list(self) -> list[float]:
+        return list(vars(self).values())
+
+    def metrics(self) -> dict[str, float]:
+        """`teacher_topk_mass`, `clip_fraction`, `student_entropy`: means per token (per clip candidate)."""
+        tokens = max(self.tokens, 1.0)
+        return {
+            "teacher_topk_mass": self.teacher_topk_mass / tokens,
+            "clip_fraction": self.clipped / self.clip_candidates if self.clip_candidates else 0.0,
+            "student_entropy": self.student_entropy / tokens,
+        }
+
+
+@torch.no_grad()
+def guardrail_sums(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    kind: str = "jsd",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    token_clip: float = 0.0,
+    clip_mode: str = "entry",
+    chunk_size: int = 1024,
+) -> GuardrailSums:
+    """What the loss leaves out or cuts, and how spread the student is, from the logits a step holds.
+
+    Row chunks bound the float32 working copies to [chunk_size, V], as in the losses. The clip share
+    re-evaluates `generalized_jsd`'s per-entry terms on the teacher's top-k; `tinker` does not clip.
+    """
+    _check_logits(student_logits, teacher_logits)
+    sums = GuardrailSums(tokens=float(student_logits.shape[0]))
+    vocab = student_logits.shape[-1]
+    clips = kind == "jsd" and token_clip > 0
+    for s, t in zip(student_logits.detach().split(chunk_size), teacher_logits.detach().split(chunk_size)):
+        log_s = F.log_softmax(_upcast(s), dim=-1)
+        sums.student_entropy += float(-(log_s.exp() * log_s).sum())
+        del log_s
+        if 0 < top_k < vocab:
+            top_t, idx = t.topk(top_k, dim=-1)
+            scaled = _upcast(t) / temperature
+            kept = torch.logsumexp(_upcast(top_t) / temperature, dim=-1) - torch.logsumexp(scaled, dim=-1)
+            sums.teacher_topk_mass += float(kept.exp().sum())
+            top_s = s.gather(-1, idx)
+        else:
+            sums.teacher_topk_mass += float(s.shape[0])
+            top_s, top_t = s, t
+        if clips:
+            terms = _divergence_terms(top_s, top_t, beta, temperature)
+            if clip_mode == "token":
+                terms = terms.sum(dim=-1)
+            sums.clipped += float((terms > token_clip).sum())
+            sums.clip_candidates += float(terms.numel())
+    return sums

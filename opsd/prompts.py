@@ -27,6 +27,9 @@ class Prompt:
     """Chat-templated prompt, ending with the assistant turn's opening (generation prompt)."""
     images: list[Image.Image]
     """Images in the order their placeholders appear in `text`."""
+    noise_last_images: int = 0
+    """The last n images are privileged ones whose model inputs `encode_prompt` replaces with fresh
+    standard normal noise (`prompts.noise: normal`); engines take `images` as they are."""
 
 
 def is_multimodal(processor) -> bool:
@@ -69,7 +72,7 @@ def student_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
 def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
     parts: list[str | Image.Image] = [*sample.images, sample.question]
     privileged_images = sample.privileged_images if "images" in cfg.privileged else []
-    if cfg.noise_privileged_images:
+    if cfg.noise != "off":
         privileged_images = [noise_like(img, seed=f"{sample.id}/{i}") for i, img in enumerate(privileged_images)]
     if privileged_images:
         parts += [cfg.reference_intro, *privileged_images]
@@ -79,11 +82,15 @@ def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
         parts += [f"Reference answer: {sample.answer}"]
     if cfg.transition:
         parts.append(cfg.transition)
-    return _render(processor, cfg.system, parts)
+    prompt = _render(processor, cfg.system, parts)
+    if cfg.noise == "normal":
+        prompt.noise_last_images = len(privileged_images)
+    return prompt
 
 
 def noise_like(image: Image.Image, *, seed: str) -> Image.Image:
-    """Gaussian noise image of the same size and mode, deterministic per (sample, index)."""
+    """Gaussian noise image of the same size and mode, deterministic per (sample, index): the
+    `pixel` ablation, and what engines see under the `normal` one."""
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "little"))
     shape = np.asarray(image).shape
     pixels = np.clip(rng.normal(127.5, 64.0, size=shape), 0, 255).astype(np.uint8)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from opsd.config import LossConfig
-from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
+from opsd.loss import GuardrailSums, generalized_jsd, guardrail_sums, tinker_loss, token_logprobs
 from opsd.sequences import Example, ForwardBatch, collate
 
 SCORING_METHOD = "opsd_completion_logits"
@@ -37,7 +37,57 @@ def forward_completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch.inputs.items()}
     hidden = model.model(**inputs).last_hidden_state
-    return model.get_output_embeddings()(hidden[batch.predicts_completion.to(device)])
+    logits = model.get_output_embeddings()(hidden[batch.predicts_completion.to(device)])
+    return postprocess_logits(model.config, logits)
+
+
+def postprocess_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """What the model's own `forward` does to the LM head's output, which scoring bypasses:
+    Gemma 2/3 `final_logit_softcapping`, Cohere `logit_scale`, Granite `logits_scaling`."""
+    text = config.get_text_config()
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if getattr(text, "logit_scale", None) is not None and text.model_type.startswith("cohere"):
+        logits = logits * text.logit_scale
+    if getattr(text, "logits_scaling", None) is not None:
+        logits = logits / text.logits_scaling
+    return logits
+
+
+class UnsupportedModelError(ValueError):
+    """The model's forward computes logits that opsd's scoring would not reproduce."""
+
+
+@torch.no_grad()
+def check_scoring_matches_forward(model, num_tokens: int = 6, atol: float = 1e-4) -> None:
+    """Refuse a model whose own `forward` post-processes logits in a way `postprocess_logits` does
+    not know: scoring it would silently train on other distributions than the engine samples.
+
+    One forward of a few text tokens, through the model's `forward` and through scoring, compared.
+    """
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.arange(1, num_tokens + 1, device=device).remainder(vocab).unsqueeze(0)
+    batch = ForwardBatch(
+        inputs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        predicts_completion=torch.ones_like(ids, dtype=torch.bool),
+        completion_ids=ids[0],
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        expected = model(**batch.inputs).logits[0].float()
+        got = forward_completion_logits(model, batch).float()
+    finally:
+        model.train(was_training)
+    if not torch.allclose(got, expected, atol=atol, rtol=atol):
+        gap = (got - expected).abs().max().item()
+        raise UnsupportedModelError(
+            f"model type {model.config.model_type!r} ({type(model).__name__}): its forward changes the LM "
+            f"head's logits in a way opsd's scoring does not reproduce (max gap {gap:.3g}); add it to "
+            "opsd.scoring.postprocess_logits before training this model"
+        )
 
 
 def autocast(device: torch.device, dtype: str):
@@ -59,6 +109,10 @@ def distillation_terms(student_logits, teacher_logits, sampled_ids, engine_logpr
     )
 
 
+DISTILL_METRIC = {"jsd": "jsd", "tinker": "tinker_loss", "sft": "distill"}  # sft: always 0
+"""The logged name of the per-token mean of `distill`, by loss kind."""
+
+
 def weighted_loss(distill, ce, cfg: LossConfig):
     """The loss from its two parts (per token, or summed): the one place the formula is written."""
     return cfg.jsd_weight * distill + cfg.ce_weight * ce
@@ -74,6 +128,13 @@ class ScoredBatch:
     teacher_logits: torch.Tensor  # [N, V], no grad
     distill: torch.Tensor  # [N] per-token distillation term of the loss
     student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
+
+    def guardrails(self, cfg: LossConfig) -> GuardrailSums:
+        """Sums behind the guardrail metrics (teacher top-k mass, clip share, student entropy)."""
+        return guardrail_sums(
+            self.student_logits, self.teacher_logits, kind=cfg.kind, beta=cfg.beta, temperature=cfg.temperature,
+            top_k=cfg.top_k, token_clip=cfg.token_clip, clip_mode=cfg.clip_mode, chunk_size=cfg.chunk_size,
+        )
 
     def token_losses(self, cfg: LossConfig) -> torch.Tensor:
         """[N] per-token loss: distillation term plus CE on the sampled token, weighted."""

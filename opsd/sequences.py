@@ -24,12 +24,32 @@ class EncodedPrompt:
 
 
 def encode_prompt(processor, prompt: Prompt) -> EncodedPrompt:
+    """Ids and vision inputs; the prompt's `noise_last_images` get fresh noise from the torch RNG."""
     if prompt.images:
         out = processor(text=[prompt.text], images=[prompt.images], return_tensors="pt")
         vision = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        if prompt.noise_last_images:
+            vision["pixel_values"] = noise_last_images(processor, vision["pixel_values"], prompt)
         return EncodedPrompt(out["input_ids"][0].tolist(), vision)
     tokenizer = processor.tokenizer if is_multimodal(processor) else processor
     return EncodedPrompt(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+
+
+def noise_last_images(processor, pixel_values: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+    """`pixel_values` with the entries of the prompt's last `noise_last_images` images replaced by
+    standard normal noise: the reference ablation, in the processor's normalised (model-input) space.
+
+    Their entries are the trailing ones; how many (tiles, patches) the processor's own output for
+    those images alone says.
+    """
+    noised = prompt.images[len(prompt.images) - prompt.noise_last_images :]
+    alone = processor.image_processor(images=[noised], return_tensors="pt")["pixel_values"]
+    dim = 1 if pixel_values.dim() >= 4 else 0  # Idefics-style [1, n, C, H, W]; flat Qwen-VL patches
+    count = alone.shape[dim]
+    out = pixel_values.clone()
+    target = out.narrow(dim, out.shape[dim] - count, count)
+    target.copy_(torch.randn(target.shape, dtype=target.dtype))
+    return out
 
 
 @dataclass

@@ -16,6 +16,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import Completion, RolloutEngine, make_engine, sampling_settings
 from opsd.rollout.weight_sync import push_weights
+from opsd.scoring import UnsupportedModelError, check_scoring_matches_forward
 from opsd.sequences import Example, build_sample_examples, encode_prompt, padding_example, prompt_length_check
 from opsd.teacher import make_teacher, update_teacher
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts
@@ -45,6 +47,7 @@ from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import train_step
+from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
 
 
 def train(cfg: Config) -> Path:
@@ -59,14 +62,14 @@ def train(cfg: Config) -> Path:
                 samples, prompts, completions = sample(run, step)
             with timer("train"):
                 examples, counts, step_tokens = build_sequences(run, samples, prompts, completions)
-            if step_tokens == 0:  # no rank has anything to train on: all ranks skip together
-                finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr})
+            if step_tokens == 0:  # no rank has anything to train on: all ranks skip the update together
+                advance_schedules(run)
+                finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr, **timer.record()})
                 continue
             recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
             with timer("train"):
                 metrics = update_student(run, examples, step_tokens, recorder, samples[0])
-                run.scheduler.step()
-                update_teacher(cfg.teacher, run.teacher, run.student)
+                advance_schedules(run)
             with timer("weight_sync"):  # the next rollouts are on-policy
                 sync = push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
             record = {**metrics, **counts, "lr": lr, **timer.record(), "weight_sync_bytes": sync.bytes}
@@ -123,6 +126,7 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
     # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
     student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else ranks.device)
+    check_scoring_matches_forward(student)  # a model whose logits scoring would not reproduce stops here
     teacher = make_teacher(cfg.teacher, student)
     if ranks.enabled:
         student, teacher = shard_models(cfg, ranks, student, teacher)
@@ -172,9 +176,14 @@ def build_sequences(run: Run, samples, prompts, completions) -> tuple[list[Examp
     examples, counts = build_sample_examples(
         run.processor, run.cfg.prompts, samples, prompts, completions, run.cfg.train.max_forward_tokens
     )
+    capped = sum(c.hit_token_limit(run.cfg.rollout.max_new_tokens) for c in completions)
     # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
-    *dropped, step_tokens = map(int, run.ranks.sum([*counts.values(), sum(len(e.completion_ids) for e in examples)]))
-    return examples, dict(zip(counts, dropped)), step_tokens
+    *dropped, capped, num_completions, step_tokens = map(int, run.ranks.sum(
+        [*counts.values(), capped, len(completions), sum(len(e.completion_ids) for e in examples)]
+    ))
+    counts = dict(zip(counts, dropped))
+    counts["truncated_fraction"] = capped / num_completions if num_completions else 0.0  # hit max_new_tokens
+    return examples, counts, step_tokens
 
 
 def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample) -> dict:
@@ -194,9 +203,18 @@ def update_student(run: Run, examples: list[Example], step_tokens: int, recorder
     )
 
 
+def advance_schedules(run: Run) -> None:
+    """The LR schedule and the EMA teacher move one step on every step, the skipped ones included
+    (an EMA toward unchanged weights), so that both stay functions of the step count."""
+    with warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        run.scheduler.step()
+    update_teacher(run.cfg.teacher, run.teacher, run.student)
+
+
 def baseline_evaluation(run: Run) -> None:
-    """With `eval.at_start`, a fresh run is evaluated before its first step, logged as step 0."""
-    if run.evaluator is not None and run.start_step == 0 and run.cfg.eval.at_start:
+    """With evaluation on, a fresh run is evaluated before its first step, logged as step 0."""
+    if run.evaluator is not None and run.start_step == 0:
         run.logger.log(0, run.evaluator.run_if_due(0, run.engine, run.ranks))
 
 
@@ -212,10 +230,12 @@ def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None
 
 
 def end_run(run: Run) -> None:
-    summary = run.logger.summary(time.perf_counter() - run.started)
-    if summary:
-        tqdm.write(summary)
     run.logger.close()
+    if run.ranks.is_main:  # the summary, on the console and in summary.json
+        summary = run_summary(read_records(run.logger.path), output_dir=run.output_dir,
+                              wall_time_s=time.perf_counter() - run.started, start_step=run.start_step)
+        write_summary(run.output_dir, summary)
+        tqdm.write(format_summary(summary))
     run.ranks.barrier()
     run.engine.close()
     run.ranks.close()
@@ -245,7 +265,7 @@ def describe_plan(cfg: Config) -> str:
         f"  model {cfg.model.path} ({cfg.model.dtype}{', built if missing: ' + cfg.model.build if cfg.model.build else ''})",
         f"  rollout engine {r.engine}: up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}",
         f"  teacher {cfg.teacher.mode}; privileged {'+'.join(cfg.prompts.privileged)}"
-        f"{' (noise ablation)' if cfg.prompts.noise_privileged_images else ''}",
+        f"{f' ({cfg.prompts.noise} noise ablation)' if cfg.prompts.noise != 'off' else ''}",
         f"  loss {cfg.loss.kind}: jsd x{cfg.loss.jsd_weight} + ce x{cfg.loss.ce_weight}, beta={cfg.loss.beta}, "
         f"T={cfg.loss.temperature}, top_k={cfg.loss.top_k}, clip={cfg.loss.token_clip} ({cfg.loss.clip_mode})",
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
@@ -265,6 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
     parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    parser.add_argument("--check", action="store_true",
+                        help="self-test on one step's prompts (divergence 0 without privileged information, "
+                             "engine/trainer logprobs agree, weight sync), print the divergence with it, exit")
     parser.add_argument("--verbose", action="store_true",
                         help="also show third-party output (vLLM, transformers, warnings) on the console; "
                              "it always goes to <output_dir>/run.log (sets logging.verbose)")
@@ -284,8 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_plan(cfg))
         return 0
     try:
+        if args.check:
+            from opsd.check import run_check
+
+            return 0 if run_check(cfg) else 1
         train(cfg)
-    except (CheckpointError, ConfigError, BadSampleError) as err:  # bad checkpoint, data not fitting the config, a bad row
+    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError) as err:
+        # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

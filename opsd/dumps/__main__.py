@@ -18,6 +18,7 @@ import dataclasses
 import sys
 
 from opsd.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from opsd.trainer.checkpoint import CheckpointError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,8 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dump.add_argument("--config", help="YAML config (default: built-in defaults, needs --model and --data)")
     model = dump.add_mutually_exclusive_group()
     model.add_argument("--model", help="Hugging Face model directory to sample and score with (sets model.path)")
-    model.add_argument("--checkpoint", help="a model directory, or a checkpoint-{step} directory holding student/ (or model/) "
-                                            "and optionally teacher/ (or ema/) model directories")
+    model.add_argument("--checkpoint", help="an opsd checkpoint-{step} directory (or a run directory: its newest "
+                                            "checkpoint): the student from it, the teacher as the run had it (EMA "
+                                            "weights, the student, or the run's model.path for a fixed teacher)")
     dump.add_argument("--data", help="data directory in the project schema (sets data.path, replaces data.datasets)")
     dump.add_argument("--out", required=True, help="directory for step_{N}_rank_0.parquet")
     dump.add_argument("--num-samples", type=int, default=32, help="prompts to take from the split (default 32)")
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run_dump(args) if args.command == "dump" else run_analyze(args)
-    except (ConfigError, FileNotFoundError) as err:
+    except (ConfigError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -8,27 +8,22 @@ directly.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import torch
 
-from opsd.config import Config, ConfigError
+from opsd.config import Config, ConfigError, ModelConfig
 from opsd.data.dataset import split_samples
 from opsd.device import resolve_device
-from opsd.dumps.record import RolloutRecorder
+from opsd.dumps.record import recorder_for
 from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt
 from opsd.rollout import make_engine, sampling_settings
-from opsd.scoring import score_micro_batch
+from opsd.scoring import check_scoring_matches_forward, score_micro_batch
 from opsd.sequences import build_sample_examples, prompt_length_check
-from opsd.trainer.checkpoint import MODEL_DIR, TEACHER_DIR
-
-# Where a checkpoint keeps its Hugging Face model directories (checked in this order): opsd's own
-# layout (opsd/trainer/checkpoint.py), and `student/`, `ema/` as other trainers name them.
-CHECKPOINT_STUDENT_DIRS = ("student", MODEL_DIR)
-CHECKPOINT_TEACHER_DIRS = (TEACHER_DIR, "ema")
-
+from opsd.trainer.checkpoint import (
+    MODEL_DIR, TEACHER_DIR, CheckpointError, read_trainer_state, resolve_checkpoint, verify_checkpoint,
+)
 
 @dataclasses.dataclass
 class ModelDirs:
@@ -36,24 +31,52 @@ class ModelDirs:
     teacher: str | None = None
     """None: the student's weights also score the teacher prompts."""
     step: int = 0
-    """Step number of the dump file; a `checkpoint-{step}` directory gives its step."""
+    """Step number of the dump file: the checkpoint's step (0 for a model directory)."""
 
 
 def resolve_model_dirs(path: str | Path) -> ModelDirs:
-    """A Hugging Face model directory, or a checkpoint directory holding student (and teacher) ones."""
+    """A Hugging Face model directory (it scores both roles), or an opsd checkpoint (a run directory:
+    its newest one), read through its manifest: the student from `model/`, the teacher as the run
+    had it: `ema` from `teacher/`, `self` the student, `fixed` the run's initial weights (the
+    `model.path` of the run's config). A teacher that cannot be found stops with a message."""
     path = Path(path)
-    match = re.search(r"checkpoint-(\d+)$", path.name)
-    step = int(match.group(1)) if match else 0
     if (path / "config.json").is_file():
-        return ModelDirs(str(path), None, step)
-    student = next((path / d for d in CHECKPOINT_STUDENT_DIRS if (path / d / "config.json").is_file()), None)
-    if student is None:
+        return ModelDirs(str(path))
+    try:
+        checkpoint = resolve_checkpoint(path)
+    except CheckpointError as err:
+        raise FileNotFoundError(f"--checkpoint {path}: not a Hugging Face model directory (no config.json), "
+                                f"and {err}") from None
+    manifest = verify_checkpoint(checkpoint)
+    student, mode = checkpoint / MODEL_DIR, manifest["teacher_mode"]
+    if mode == "ema":
+        teacher = checkpoint / TEACHER_DIR
+    elif mode == "fixed":
+        teacher = initial_weights(checkpoint)
+    else:
+        teacher = None
+    return ModelDirs(str(student), str(teacher) if teacher else None, manifest["step"])
+
+
+def initial_weights(checkpoint: Path) -> str:
+    """Where a `teacher.mode=fixed` run's teacher came from: its `model.path` (the checkpoint holds
+    no copy of those weights)."""
+    run_cfg = read_trainer_state(checkpoint)["config"]
+    if run_cfg["checkpoint"]["resume_model_only"]:
         raise FileNotFoundError(
-            f"--checkpoint {path}: neither a Hugging Face model directory (no config.json) nor a checkpoint "
-            f"with one in {'/ or '.join(CHECKPOINT_STUDENT_DIRS)}/"
+            f"--checkpoint {checkpoint}: the run's fixed teacher started from the weights of checkpoint "
+            f"{run_cfg['checkpoint']['resume_from']!r} (checkpoint.resume_model_only), which this checkpoint does not "
+            "hold; dump that checkpoint's model/ with --model to score with those weights"
         )
-    teacher = next((path / d for d in CHECKPOINT_TEACHER_DIRS if (path / d / "config.json").is_file()), None)
-    return ModelDirs(str(student), str(teacher) if teacher else None, step)
+    model_path = run_cfg["model"]["path"]
+    try:
+        return prepare_model_dir(ModelConfig(path=model_path))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint}: teacher.mode=fixed, so the teacher is the run's initial weights, "
+            f"model.path {model_path!r}, which is not a model directory here (relative paths are read from the "
+            "current directory: run from the run's working directory)"
+        ) from None
 
 
 def load_split(cfg: Config, split: str, num_samples: int, processor) -> list:
@@ -88,10 +111,11 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
 
     device = resolve_device(cfg.train.device)
     student = load_model(cfg.model, processor, device).eval()
+    check_scoring_matches_forward(student)
     teacher = student
     if teacher_path is not None:
         teacher = load_model(dataclasses.replace(cfg.model, path=teacher_path), processor, device).eval()
-    recorder = RolloutRecorder(top_n=cfg.logging.dump_top_n, chunk_size=cfg.loss.chunk_size)
+    recorder = recorder_for(cfg)
     micro_batch_size = cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt
     with torch.no_grad():
         for start in range(0, len(examples), micro_batch_size):

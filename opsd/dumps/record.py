@@ -6,8 +6,8 @@ scored); `datasets.load_dataset("parquet", data_files=...)` and pandas read it. 
     step, rank, index                 int    the step, the writing rank, the completion's place in the file
     sample_id, prompt, teacher_prompt string the sample and both chat-templated prompt texts
     images, teacher_images            list<string>  image references, never pixels:
-                                      `{sample_id}/{field}/{i}[:noise]@sha256:{16 hex}`
-    answer, predicted_answer          string (null when unknown / no <answer> tag)
+                                      `{sample_id}/{field}/{i}[:noise-{kind}]@sha256:{16 hex}`
+    answer, predicted_answer          string (null when unknown / no match of `eval.answer_pattern`)
     correct                           bool   (null when the sample has no answer)
     completion_ids, completion_tokens list<int32>, list<string> (each token decoded alone)
     completion_text, num_tokens       string, int
@@ -19,7 +19,7 @@ scored); `datasets.load_dataset("parquet", data_files=...)` and pandas read it. 
                                       their full-vocabulary probabilities (only when top_n > 0)
 
 The numbers are the very tensors the step computed (float32): the divergences of all ranks' files
-of a step sum to `jsd * completion_tokens` of that step's metrics, and |engine - student| gives its
+of a step sum to `jsd * completion_tokens` (`tinker_loss` under the tinker loss) of that step's metrics, and |engine - student| gives its
 `logprob_mismatch_*`.
 """
 
@@ -51,21 +51,21 @@ DUMP_FILE = "step_{step}_rank_{rank}.parquet"
 """A dump file's name (`DUMP_FILE.format(step="*", rank="*")` globs them); `parse_dump_name` reads it."""
 _DUMP_NAME = re.compile(DUMP_FILE.replace(".", r"\.").format(step=r"(\d+)", rank=r"(\d+)"))
 
-# Dumps judge answers the way evaluation does (opsd/evaluation.py), with the default `<answer>` pattern.
-_ANSWER_PATTERN = EvalConfig.answer_pattern
+# Dumps judge answers the way evaluation does (opsd/evaluation.py), with the run's `eval.answer_pattern`.
+_DEFAULT_PATTERN = EvalConfig.answer_pattern
 
 
-def extract_answer(text: str) -> str | None:
-    """The content of the last `<answer>...</answer>` in `text`, stripped; None without one."""
-    found = evaluation.extract_answer(text, _ANSWER_PATTERN)
+def extract_answer(text: str, pattern: str = _DEFAULT_PATTERN) -> str | None:
+    """The last match of `pattern` in `text` (`<answer>...</answer>` by default), stripped; None without one."""
+    found = evaluation.extract_answer(text, pattern)
     return found.strip() if found is not None else None
 
 
-def answer_is_correct(completion_text: str, answer: str | None) -> bool | None:
-    """None when the answer is unknown; False when the completion gives no `<answer>`."""
+def answer_is_correct(completion_text: str, answer: str | None, pattern: str = _DEFAULT_PATTERN) -> bool | None:
+    """None when the answer is unknown; False when the completion has no match of `pattern`."""
     if answer is None:
         return None
-    return evaluation.is_correct(completion_text, answer, _ANSWER_PATTERN)
+    return evaluation.is_correct(completion_text, answer, pattern)
 
 
 @dataclass
@@ -110,10 +110,10 @@ def token_scores(micro: list[Example], scored: ScoredBatch, *, top_n: int, chunk
 
 
 def image_refs(sample: Sample, images, prompt_cfg: PromptConfig, *, teacher: bool) -> list[str]:
-    """`{sample_id}/{field}/{i}[:noise]@sha256:{16 hex}` for a prompt's images, in prompt order."""
+    """`{sample_id}/{field}/{i}[:noise-{kind}]@sha256:{16 hex}` for a prompt's images, in prompt order."""
     names = [f"images/{i}" for i in range(len(sample.images))]
     if teacher and "images" in prompt_cfg.privileged:
-        noise = ":noise" if prompt_cfg.noise_privileged_images else ""
+        noise = f":noise-{prompt_cfg.noise}" if prompt_cfg.noise != "off" else ""
         names += [f"privileged_images/{i}{noise}" for i in range(len(sample.privileged_images))]
     return [
         f"{sample.id}/{name}@sha256:{hashlib.sha256(img.tobytes()).hexdigest()[:16]}"
@@ -128,9 +128,10 @@ def _token_texts(tokenizer, ids: np.ndarray | list[int]) -> dict[int, str]:
 
 def rollout_rows(
     step: int, rank: int, examples: list[Example], scores: list[TokenScores],
-    samples: list[Sample], processor, prompt_cfg: PromptConfig,
+    samples: list[Sample], processor, prompt_cfg: PromptConfig, answer_pattern: str = _DEFAULT_PATTERN,
 ) -> list[dict]:
-    """One dict per completion in the dump schema (see the module docstring)."""
+    """One dict per completion in the dump schema (see the module docstring); answers are judged
+    with `answer_pattern` (the run's `eval.answer_pattern`)."""
     if len(examples) != len(scores):
         raise ValueError(f"{len(examples)} examples but {len(scores)} scored completions")
     tokenizer = getattr(processor, "tokenizer", processor)
@@ -151,12 +152,12 @@ def rollout_rows(
         sample = by_id[example.sample_id]
         prompt, teacher_text, images, teacher_images = prompts[example.sample_id]
         completion_text = tokenizer.decode(example.completion_ids, skip_special_tokens=True)
-        predicted = extract_answer(completion_text)
+        predicted = extract_answer(completion_text, answer_pattern)
         row = {
             "step": step, "rank": rank, "index": index, "sample_id": example.sample_id,
             "prompt": prompt, "teacher_prompt": teacher_text, "images": images, "teacher_images": teacher_images,
             "answer": sample.answer, "predicted_answer": predicted,
-            "correct": answer_is_correct(completion_text, sample.answer),
+            "correct": answer_is_correct(completion_text, sample.answer, answer_pattern),
             "completion_ids": list(example.completion_ids),
             "completion_tokens": [texts[t] for t in example.completion_ids],
             "completion_text": completion_text, "num_tokens": len(example.completion_ids),
@@ -212,8 +213,8 @@ def write_rollouts(path: Path, rows: list[dict]) -> Path:
 class RolloutRecorder:
     """Collects a step's per-token scores (`collect` is train_step's `on_scored`), then writes them."""
 
-    def __init__(self, *, top_n: int, chunk_size: int):
-        self.top_n, self.chunk_size = top_n, chunk_size
+    def __init__(self, *, top_n: int, chunk_size: int, answer_pattern: str = _DEFAULT_PATTERN):
+        self.top_n, self.chunk_size, self.answer_pattern = top_n, chunk_size, answer_pattern
         self.scores: list[TokenScores] = []
 
     def collect(self, micro: list[Example], scored: ScoredBatch) -> None:
@@ -221,7 +222,7 @@ class RolloutRecorder:
 
     def write(self, out_dir: Path, step: int, examples: list[Example], samples: list[Sample], processor, prompt_cfg: PromptConfig) -> Path:
         rank = process_rank()
-        rows = rollout_rows(step, rank, examples, self.scores, samples, processor, prompt_cfg)
+        rows = rollout_rows(step, rank, examples, self.scores, samples, processor, prompt_cfg, self.answer_pattern)
         return write_rollouts(dump_path(out_dir, step, rank), rows)
 
 
@@ -230,4 +231,10 @@ def recorder_for_step(cfg: Config, step: int) -> RolloutRecorder | None:
     every = cfg.logging.dump_rollouts_every
     if every == 0 or step % every:
         return None
-    return RolloutRecorder(top_n=cfg.logging.dump_top_n, chunk_size=cfg.loss.chunk_size)
+    return recorder_for(cfg)
+
+
+def recorder_for(cfg: Config) -> RolloutRecorder:
+    """A recorder with the run's settings: top-n, row chunks, answer pattern."""
+    return RolloutRecorder(top_n=cfg.logging.dump_top_n, chunk_size=cfg.loss.chunk_size,
+                           answer_pattern=cfg.eval.answer_pattern)

@@ -55,6 +55,11 @@ class Completion:
     (temperature 1, no top-k/top-p), comparable with the trainer's own."""
     text: str = ""
     finish_reason: str = ""
+    """`stop` or `length` (vLLM's words); empty when the engine does not say."""
+
+    def hit_token_limit(self, max_new_tokens: int) -> bool:
+        """Sampling ended at `max_new_tokens`, not on a stop token."""
+        return self.finish_reason == "length" if self.finish_reason else len(self.token_ids) >= max_new_tokens
 
 
 class RolloutEngine(Protocol):

@@ -1,8 +1,16 @@
-"""transformers `generate` as a rollout engine: batched, with its own copy of the weights."""
+"""transformers `generate` as a rollout engine: batched, with its own copy of the weights.
+
+`generate` merges the model's own `generation_config` (a checkpoint's `repetition_penalty`, `top_k`,
+`min_p`, ...) and transformers' global defaults (`top_k=50`) into whatever it is given. The engine
+therefore replaces the model's generation config with a clean one (token ids only) and passes a
+complete one of its own on every call: completions are drawn from the student's distribution
+tempered by the rollout settings and nothing else.
+"""
 
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
 
 from opsd.prompts import Prompt, is_multimodal
 from opsd.rollout.engine import Completion, SamplingSettings
@@ -11,6 +19,9 @@ from opsd.rollout.engine import Completion, SamplingSettings
 class HFEngine:
     def __init__(self, model, processor, *, batch_size: int = 16):
         self.model = model.eval().requires_grad_(False)
+        own = model.generation_config
+        self.token_ids = dict(eos_token_id=own.eos_token_id, bos_token_id=own.bos_token_id)
+        model.generation_config = GenerationConfig(**self.token_ids)  # nothing else of it may leak in
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.batch_size = batch_size
@@ -35,25 +46,34 @@ class HFEngine:
                 completions += self._generate_batch(chunk, sampling, index_offset=start)
         return completions
 
-    def _generate_batch(self, prompts: list[Prompt], sampling: SamplingSettings, index_offset: int) -> list[Completion]:
-        inputs = self._encode(prompts)
-        eos = self.model.generation_config.eos_token_id
+    def generation_config(self, sampling: SamplingSettings) -> GenerationConfig:
+        """Every setting that shapes the sampled distribution, explicitly (None would be filled in)."""
         greedy = sampling.temperature == 0
-        warpers = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or None}
-        out = self.model.generate(
-            **inputs,
+        return GenerationConfig(
             do_sample=not greedy,
-            **warpers,
-            max_new_tokens=sampling.max_new_tokens,
-            num_return_sequences=sampling.n,
+            temperature=1.0 if greedy else sampling.temperature,
+            top_k=0 if greedy else sampling.top_k,  # 0 = off (transformers' default would be 50)
+            top_p=1.0 if greedy else sampling.top_p,
+            min_p=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+            repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+            min_length=0, min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None,
+            sequence_bias=None, forced_bos_token_id=None, forced_eos_token_id=None,
+            exponential_decay_length_penalty=None, renormalize_logits=False, remove_invalid_values=False,
+            num_beams=1, max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
             bad_words_ids=[[t] for t in sampling.banned_token_ids] or None,
             output_logits=True,  # raw logits, comparable with the trainer's (scores are warped)
             return_dict_in_generate=True,
             pad_token_id=self.tokenizer.pad_token_id,
+            **self.token_ids,
         )
+
+    def _generate_batch(self, prompts: list[Prompt], sampling: SamplingSettings, index_offset: int) -> list[Completion]:
+        inputs = self._encode(prompts)
+        out = self.model.generate(**inputs, generation_config=self.generation_config(sampling))
         new_tokens = out.sequences[:, inputs["input_ids"].shape[1] :]
         logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
         token_logprobs = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        eos = self.token_ids["eos_token_id"]
         stop_ids = set(eos if isinstance(eos, list) else [eos])
         completions = []
         for row in range(new_tokens.shape[0]):

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from opsd.config import LoggingConfig
 
 CONSOLE_KEYS = (
-    "loss", "jsd", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy", "eval/teacher_accuracy",
+    "loss", "jsd", "tinker_loss", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy", "eval/teacher_accuracy",
 )
 
 
@@ -27,8 +27,6 @@ class MetricsLogger:
         written after the checkpoint, are dropped); `wandb_run_id`: continue that wandb run."""
         self.cfg = cfg
         self.path = output_dir / "metrics.jsonl"
-        self.first: dict | None = None
-        self.last: dict | None = None
         if resume_step is None:
             self.file = self.path.open("w")
         else:
@@ -50,26 +48,12 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **metrics}
-        self.first, self.last = self.first or record, record
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         if step % self.cfg.log_every == 0:
             tqdm.write(format_line(record))
-
-    def summary(self, seconds: float) -> str:
-        """The run in two lines: steps and time, how the loss moved, the last evaluation, the outputs."""
-        if self.last is None:
-            return f"done: no step taken; outputs in {self.path.parent}"
-        steps = self.last["step"] - self.first["step"] + 1
-        lines = [f"done: {steps} steps in {seconds:.0f} s; loss {self.first.get('loss', math.nan):.3g} -> "
-                 f"{self.last.get('loss', math.nan):.3g}"]
-        evaluated = {k: v for k, v in self.last.items() if k.startswith("eval/") and k.endswith("accuracy")}
-        if evaluated:
-            lines[0] += "; " + ", ".join(f"{k} {v:.3g}" for k, v in evaluated.items())
-        lines.append(f"outputs in {self.path.parent}: metrics.jsonl, checkpoint-*, run.log (third-party output)")
-        return "\n".join(lines)
 
     def close(self) -> None:
         self.file.close()
@@ -118,9 +102,6 @@ class NullMetricsLogger:
 
     def log(self, step: int, metrics: dict) -> None:
         pass
-
-    def summary(self, seconds: float) -> str:
-        return ""
 
     def close(self) -> None:
         pass

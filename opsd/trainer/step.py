@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from opsd.config import LossConfig
-from opsd.scoring import ScoredBatch, score_micro_batch, weighted_loss
+from opsd.loss import GuardrailSums
+from opsd.scoring import DISTILL_METRIC, ScoredBatch, score_micro_batch, weighted_loss
 from opsd.sequences import Example
 from opsd.trainer.distributed import Ranks
 from opsd.trainer.fsdp import full_value, set_gradient_sync
@@ -23,8 +24,9 @@ class StepSums:
     ce: float = 0.0
     mismatch: float = 0.0
     mismatch_max: float = 0.0
+    guardrails: GuardrailSums = field(default_factory=GuardrailSums)
 
-    def add(self, scored: ScoredBatch) -> None:
+    def add(self, scored: ScoredBatch, loss_cfg: LossConfig) -> None:
         # Same weights on both sides: a gap here means the engine did not get the last update.
         mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
         self.distill += scored.distill.detach().sum().item()
@@ -32,6 +34,7 @@ class StepSums:
         if not mismatch.isnan().any():  # NaN: no sampler produced these tokens (loss.kind=sft)
             self.mismatch += mismatch.sum().item()
             self.mismatch_max = max(self.mismatch_max, mismatch.max().item())
+        self.guardrails.add(scored.guardrails(loss_cfg))
 
 
 def train_step(
@@ -72,7 +75,7 @@ def train_step(
         is_padding = micro[0] is padding
         backward(scored, loss_cfg, total_tokens, weight=0.0 if is_padding else 1.0)
         if not is_padding:
-            sums.add(scored)
+            sums.add(scored, loss_cfg)
             if on_scored is not None:
                 on_scored(micro, scored)
         del scored
@@ -108,11 +111,13 @@ def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, m
 
 def step_metrics(sums: StepSums, grad_norm, loss_cfg: LossConfig, ranks: Ranks, total_tokens: int, *, num_examples: int) -> dict:
     """The step's metrics over all ranks (collectives: every rank calls this)."""
-    distill_sum, ce_sum, mismatch_sum, num_examples = ranks.sum([sums.distill, sums.ce, sums.mismatch, num_examples])
+    distill_sum, ce_sum, mismatch_sum, num_examples, *guardrails = ranks.sum(
+        [sums.distill, sums.ce, sums.mismatch, num_examples, *sums.guardrails.as_list()]
+    )
     distill, ce = distill_sum / total_tokens, ce_sum / total_tokens
     metrics = {
         "loss": weighted_loss(distill, ce, loss_cfg),
-        "jsd": distill,  # the metric keeps its historical name; it is the distillation term of any loss kind
+        DISTILL_METRIC[loss_cfg.kind]: distill,
         "ce": ce,
         "grad_norm": full_value(grad_norm).item(),
         "completion_tokens": total_tokens,
@@ -120,6 +125,7 @@ def step_metrics(sums: StepSums, grad_norm, loss_cfg: LossConfig, ranks: Ranks, 
         "logprob_mismatch_max": ranks.max([sums.mismatch_max])[0],
         "logprob_mismatch_mean": mismatch_sum / total_tokens,
     }
+    metrics.update(GuardrailSums(*guardrails).metrics())
     if ranks.enabled:
         metrics["logprob_mismatch_max_per_rank"] = ranks.gather(sums.mismatch_max)
     return metrics

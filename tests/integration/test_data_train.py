@@ -43,8 +43,8 @@ def test_thinkmorph_parquet_with_bad_rows_trains(tmp_path, tiny_vlm_dir):
         "prompts.privileged=[images,text]", "data.reject_image_pixels=4000000", "eval.num_samples=10",
     )
     records = read_metrics(train(cfg))
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(math.isfinite(r["loss"]) and r["logprob_mismatch_max"] < 1e-3 for r in records)
+    assert [r["step"] for r in records] == [0, 1, 2]  # 0: the baseline evaluation
+    assert all(math.isfinite(r["loss"]) and r["logprob_mismatch_max"] < 1e-3 for r in records[1:])
     assert skipped(records[-1]) == Counter(reason for reason, _ in THINKMORPH_DEFECTS)
     assert records[-1]["data/images_converted_to_rgb"] >= 3
     assert {"eval/accuracy", "eval/teacher_accuracy"} <= records[-1].keys()
@@ -61,7 +61,7 @@ def test_text_jsonl_with_bad_rows_trains_a_text_model(tmp_path, tiny_text_dir):
         tmp_path, tiny_text_dir, [{"path": str(data), "schema": "text", "eval_split": "eval"}],
         "prompts.privileged=[text]", "train.max_forward_tokens=512",
     )
-    records = read_metrics(train(cfg))
+    records = read_metrics(train(cfg))[1:]  # after the step-0 evaluation
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
     # The over-long problem is caught by the tokenizer-aware check before any generation.
     assert skipped(records[-1]) == Counter(reason for reason, _ in TEXT_DEFECTS)
@@ -87,7 +87,8 @@ def test_mixture_of_image_and_text_datasets_trains_with_vllm(tmp_path, tiny_vlm_
         "eval.every=1", "train.max_steps=3",
     )
     records = read_metrics(train(cfg))
-    assert all(r["logprob_mismatch_max"] < 1e-3 and math.isfinite(r["loss"]) for r in records)
+    assert all(r["logprob_mismatch_max"] < 1e-3 and math.isfinite(r["loss"]) for r in records[1:])
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all("eval/accuracy" in r and "eval/teacher_accuracy" in r for r in records)
     assert set(skipped(records[-1])) <= {reason for reason, _ in PROJECT_DEFECTS}
 

@@ -68,7 +68,9 @@ def single_process(tmp_path_factory, tiny_vlm_dir, grid_data_dir) -> Run:
 
 
 def assert_same_training(dist_records, single_records):
-    assert [r["step"] for r in dist_records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in dist_records] == list(range(0, STEPS + 1))  # step 0: the baseline evaluation
+    assert dist_records[0]["eval/accuracy"] == single_records[0]["eval/accuracy"]
+    dist_records, single_records = dist_records[1:], single_records[1:]
     for d, s in zip(dist_records, single_records):
         assert d["completion_tokens"] == s["completion_tokens"] > 0  # the same completions were sampled
         assert len(d["logprob_mismatch_max_per_rank"]) == 2

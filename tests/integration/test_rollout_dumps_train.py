@@ -62,7 +62,8 @@ def test_training_dumps_rollouts_that_re_add_to_the_logged_metrics(tmp_path, tin
     assert [f.name for f in files] == ["step_1_rank_0.parquet", "step_2_rank_0.parquet"]
     rows = datasets.load_dataset("parquet", data_files=[str(f) for f in files], split="train",
                                  cache_dir=str(tmp_path / "hf-cache"))
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]  # after step 0's eval
+    assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         step_rows = [r for r in rows if r["step"] == m["step"]]
         assert len(step_rows) == cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps * cfg.rollout.samples_per_prompt

@@ -4,23 +4,19 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from opsd.config import ModelConfig, PromptConfig
+from opsd.data.dataset import split_samples
 from opsd.dumps.offline import resolve_model_dirs
+from opsd.loss import token_logprobs
+from opsd.modeling import load_model, load_processor
+from opsd.prompts import teacher_prompt
+from opsd.scoring import completion_logits
+from opsd.sequences import collate, encode_prompt
+from opsd.train import train
+from tests.helpers.runs import demo_config
 from opsd.rollouts import main
-
-
-def test_checkpoint_directories_resolve(tmp_path, tiny_vlm_dir):
-    assert resolve_model_dirs(tiny_vlm_dir).student == str(tiny_vlm_dir)
-    ckpt = tmp_path / "checkpoint-12"
-    (ckpt / "student").mkdir(parents=True)
-    (ckpt / "student" / "config.json").write_text("{}")
-    dirs = resolve_model_dirs(ckpt)
-    assert (dirs.student, dirs.teacher, dirs.step) == (str(ckpt / "student"), None, 12)
-    (ckpt / "teacher").mkdir()
-    (ckpt / "teacher" / "config.json").write_text("{}")
-    assert resolve_model_dirs(ckpt).teacher == str(ckpt / "teacher")
-    with pytest.raises(FileNotFoundError, match="checkpoint-12/student"):
-        resolve_model_dirs(ckpt / "student" / "missing")
 
 
 def test_dump_needs_a_config_or_a_model_and_data(tmp_path, capsys):
@@ -36,14 +32,14 @@ def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir,
         f"data.path={grid_data_dir}", "rollout.max_new_tokens=12",
     ]
     assert main(["dump", *common, "--out", str(tmp_path / "real")]) == 0
-    assert main(["dump", *common, "--out", str(tmp_path / "noise"), "prompts.noise_privileged_images=true"]) == 0
+    assert main(["dump", *common, "--out", str(tmp_path / "noise"), "prompts.noise=normal"]) == 0
     real = pq.read_table(tmp_path / "real" / "step_0_rank_0.parquet")
     noise = pq.read_table(tmp_path / "noise" / "step_0_rank_0.parquet")
     assert real.num_rows == noise.num_rows == 4  # 2 prompts x samples_per_prompt 2
     # Same weights and seeds: the same completions, scored by teachers that saw different images.
     assert real["completion_ids"].to_pylist() == noise["completion_ids"].to_pylist()
     assert real["teacher_logprobs"].to_pylist() != noise["teacher_logprobs"].to_pylist()
-    assert all(":noise@" in ref for refs in noise["teacher_images"].to_pylist() for ref in refs[1:])
+    assert all(":noise-normal@" in ref for refs in noise["teacher_images"].to_pylist() for ref in refs[1:])
     capsys.readouterr()
 
     plots = tmp_path / "plots"
@@ -57,16 +53,50 @@ def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir,
     assert {p.name for p in plots.glob("*.png")} == {"divergence_by_position.png", "divergence_histogram.png"}
 
 
-def test_dump_from_a_checkpoint_directory_without_config(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
-    """A model directory alone (here inside a checkpoint-{step} layout), default config, HF engine."""
-    shutil.copytree(tiny_vlm_dir, tmp_path / "checkpoint-3" / "student")
-    args = [
-        "dump", "--checkpoint", str(tmp_path / "checkpoint-3"), "--data", str(grid_data_dir), "--split", "eval",
-        "--num-samples", "1", "--out", str(tmp_path / "dump"), "rollout.engine=hf", "rollout.max_new_tokens=6",
-    ]
+def test_dump_of_a_fixed_teacher_checkpoint_scores_the_teacher_with_the_initial_weights(
+    tmp_path, tiny_vlm_dir, grid_data_dir, capsys
+):
+    """A checkpoint written by the trainer: student from model/, the fixed teacher from the run's model.path."""
+    initial = tmp_path / "initial"
+    shutil.copytree(tiny_vlm_dir, initial)
+    cfg = demo_config(tmp_path, initial, grid_data_dir, "teacher.mode=fixed", "rollout.engine=hf",
+                      "train.max_steps=1", "optim.warmup_steps=0", "eval.every=0", "rollout.max_new_tokens=8")
+    run_dir = train(cfg)
+    checkpoint = run_dir / "checkpoint-1"
+    assert not (checkpoint / "teacher").exists()  # a fixed teacher is not saved: it is model.path
+    dirs = resolve_model_dirs(run_dir)  # a run directory: its newest checkpoint
+    assert (dirs.student, dirs.teacher, dirs.step) == (str(checkpoint / "model"), str(initial), 1)
+
+    args = ["dump", "--config", "configs/demo.yaml", "--checkpoint", str(checkpoint), f"data.path={grid_data_dir}",
+            "--num-samples", "2", "--out", str(tmp_path / "dump"), "rollout.engine=hf", "rollout.max_new_tokens=8"]
     assert main(args) == 0
-    table = pq.read_table(tmp_path / "dump" / "step_3_rank_0.parquet")
-    assert table.num_rows == 1 and table["sample_id"][0].as_py().startswith("grid-")
-    assert "teacher_top_ids" in table.column_names  # logging.dump_top_n defaults to 5
-    assert main(["analyze", str(tmp_path / "dump")]) == 0
-    assert (tmp_path / "dump" / "plots" / "divergence_by_position.png").is_file()
+    rows = pq.read_table(tmp_path / "dump" / "step_1_rank_0.parquet").to_pylist()
+    assert len(rows) == 4  # 2 prompts x samples_per_prompt 2
+
+    # The teacher's logprobs are those of the initial weights on the teacher prompt, not the trained student's.
+    processor = load_processor(ModelConfig(path=str(initial)))
+    samples = {s.id: s for s in split_samples(cfg, 2, split="train")[0]}
+    models = {name: load_model(ModelConfig(path=str(path)), processor, torch.device("cpu"))
+              for name, path in (("initial", initial), ("trained", checkpoint / "model"))}
+    for row in rows:
+        prompt = encode_prompt(processor, teacher_prompt(samples[row["sample_id"]], processor, PromptConfig()))
+        batch = collate([prompt], [row["completion_ids"]], processor.tokenizer.pad_token_id)
+        with torch.no_grad():
+            lp = {name: token_logprobs(completion_logits(m, batch), batch.completion_ids) for name, m in models.items()}
+        dumped = torch.tensor(row["teacher_logprobs"])
+        assert (dumped - lp["initial"]).abs().max() < 1e-4
+        assert (dumped - lp["trained"]).abs().max() > 1e-3  # the check above can fail
+
+    # Without the initial weights the command stops and says why, instead of using the student.
+    initial.rename(tmp_path / "moved")
+    assert main([*args[:-4], "--out", str(tmp_path / "dump2"), *args[-2:]]) == 2
+    err = capsys.readouterr().err
+    assert "teacher.mode=fixed" in err and str(initial) in err
+    assert not (tmp_path / "dump2").exists()
+
+
+def test_dump_needs_an_opsd_checkpoint(tmp_path, grid_data_dir, capsys):
+    (tmp_path / "checkpoint-3" / "student").mkdir(parents=True)  # another trainer's layout is not guessed at
+    args = ["dump", "--checkpoint", str(tmp_path / "checkpoint-3"), "--data", str(grid_data_dir), "--out", str(tmp_path / "d")]
+    assert main(args) == 2
+    assert "opsd_checkpoint.json" in capsys.readouterr().err

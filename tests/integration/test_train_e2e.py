@@ -1,6 +1,8 @@
 """Short end-to-end runs of `python -m opsd.train` on the tiny VLM and synthetic data."""
 
+import json
 import math
+import warnings
 
 import pytest
 
@@ -10,28 +12,41 @@ from tests.helpers.runs import demo_config, read_metrics
 REQUIRED_KEYS = {
     "step", "loss", "jsd", "ce", "lr", "grad_norm", "completion_len", "completion_tokens",
     "time_rollout_s", "time_train_s", "time_weight_sync_s", "logprob_mismatch_max", "logprob_mismatch_mean",
+    "teacher_topk_mass", "clip_fraction", "truncated_fraction", "student_entropy",
 }
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
-    records = read_metrics(train(demo_config(tmp_path, tiny_vlm_dir, grid_data_dir)))
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for r in records:
+    output_dir = train(demo_config(tmp_path, tiny_vlm_dir, grid_data_dir))
+    records = read_metrics(output_dir)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    baseline, trained = records[0], records[1:]
+    assert {"eval/accuracy", "eval/teacher_accuracy", "time_eval_s"} <= baseline.keys() and "loss" not in baseline
+    for r in trained:
         assert REQUIRED_KEYS <= r.keys()
         assert math.isfinite(r["loss"]) and r["completion_tokens"] > 0
         # The engine sampled with exactly the weights the trainer scored with.
         assert r["logprob_mismatch_max"] < 1e-3
-    assert records[1]["lr"] > 0 and records[1]["grad_norm"] > 0
+        assert 0 < r["teacher_topk_mass"] < 1 and 0 <= r["clip_fraction"] < 1 and 0 <= r["truncated_fraction"] <= 1
+        assert 0 < r["student_entropy"] < math.log(1024)  # the tiny vocabulary's bound
+    assert trained[1]["lr"] > 0 and trained[1]["grad_norm"] > 0
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["trained_steps"] == 3
+    assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in trained)
+    assert summary["metrics"]["eval/accuracy"]["first_step"] == 0 and summary["metrics"]["loss"]["last_step"] == 3
+    assert summary["files"]["last_checkpoint"] == str(output_dir / "checkpoint-3")
 
 
 @pytest.mark.slow
 def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir):
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "loss.kind=tinker", "teacher.mode=fixed")
-    records = read_metrics(train(cfg))
+    records = read_metrics(train(cfg))[1:]  # after the step-0 evaluation
     assert len(records) == 3
     assert all(math.isfinite(r["loss"]) and r["logprob_mismatch_max"] < 1e-3 for r in records)
+    # The distillation term is named for what it is: tinker's per-token loss, not a JSD.
+    assert all("tinker_loss" in r and "jsd" not in r and r["clip_fraction"] == 0 for r in records)
 
 
 @pytest.mark.vllm
@@ -42,7 +57,7 @@ def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, gr
 
     monkeypatch.setattr(VLLMEngine, "receive_weights", lambda self, bucket: None)
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "optim.warmup_steps=0", "optim.schedule=constant")
-    records = read_metrics(train(cfg))
+    records = read_metrics(train(cfg))[1:]  # after the step-0 evaluation
     assert records[0]["logprob_mismatch_max"] < 1e-3
     assert records[-1]["logprob_mismatch_max"] > 1e-2
 
@@ -55,4 +70,40 @@ def test_cli_entry_point(tmp_path, tiny_vlm_dir, grid_data_dir):
         "rollout.max_new_tokens=8", "logging.progress_bar=false",
     ]
     assert main(args) == 0
-    assert len(read_metrics(tmp_path / "cli")) == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [0, 1]
+    assert (tmp_path / "cli" / "summary.json").is_file()
+
+
+def test_a_skipped_step_keeps_the_schedule_and_the_ema_on_the_step_count(tmp_path, tiny_vlm_dir, grid_data_dir, monkeypatch):
+    """Step 2 samples nothing to train on: it is skipped, yet the LR of every later step is the
+    schedule's value for that step and the EMA teacher takes its step too."""
+    import torch
+
+    import opsd.train
+    from opsd.trainer.optim import build_scheduler
+
+    real_sample, real_update_teacher, teacher_updates = opsd.train.sample, opsd.train.update_teacher, []
+
+    def sample(run, step):
+        samples, prompts, completions = real_sample(run, step)
+        return samples, prompts, [] if step == 2 else completions
+
+    def update_teacher(*args):
+        teacher_updates.append(args)
+        real_update_teacher(*args)
+
+    monkeypatch.setattr(opsd.train, "sample", sample)
+    monkeypatch.setattr(opsd.train, "update_teacher", update_teacher)
+    cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "rollout.max_new_tokens=8",
+                      "train.max_steps=5", "optim.warmup_steps=2", "eval.every=0")
+    records = read_metrics(train(cfg))
+    assert [r.get("skipped_step", 0) for r in records] == [0, 1, 0, 0, 0]
+    scheduler = build_scheduler(cfg.optim, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.optim.lr), 5)
+    expected = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")  # no optimizer steps here
+        for _ in range(5):
+            expected.append(scheduler.get_last_lr()[0])
+            scheduler.step()
+    assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-12)
+    assert len(teacher_updates) == 5  # one EMA step per step, the skipped one included

@@ -30,7 +30,7 @@ GROUPS = {  # group: module prefixes
     "rollout": ["opsd.rollout"],
     "evaluation": ["opsd.evaluation"],
     "dumps": ["opsd.dumps", "opsd.rollouts"],
-    "cli": ["opsd.export"],
+    "cli": ["opsd.export", "opsd.check"],
     "recipe": ["opsd.train"],
     "package": ["opsd"],
 }

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import opsd.loss
-from opsd.loss import generalized_jsd, tinker_loss
+from opsd.loss import GuardrailSums, generalized_jsd, guardrail_sums, tinker_loss
 
 
 def ref_jsd(s, t, beta=0.5, temperature=1.0, top_k=0, token_clip=0.0, clip_mode="entry"):
@@ -210,16 +210,22 @@ def test_tinker_values_and_grad(monkeypatch, temperature):
     assert t.grad is None
 
 
-def test_tinker_importance_weight():
-    s = logits(6, 20, 25).requires_grad_()
-    t = logits(6, 20, 26)
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_tinker_importance_weight(temperature):
+    """The ratio compares raw logprobs (the engine's are at T=1) whatever the loss temperature."""
+    s = logits(6, 20, 25, dtype=torch.float64).requires_grad_()  # float64: 1e-6 is far above rounding
+    t = logits(6, 20, 26, dtype=torch.float64)
     ids = torch.randint(0, 20, (6,), generator=torch.Generator().manual_seed(2))
-    own = torch.log_softmax(s.detach(), -1)[torch.arange(6), ids]
-    (plain,) = torch.autograd.grad(tinker_loss(s, t, ids).sum(), s)
-    (same,) = torch.autograd.grad(tinker_loss(s, t, ids, sampler_logprobs=own).sum(), s)
-    torch.testing.assert_close(same, plain)  # sampler == student weights: the plain gradient
+    own = torch.log_softmax(s.detach(), -1)[torch.arange(6), ids]  # the student's raw logprobs
+    plain_loss = tinker_loss(s, t, ids, temperature=temperature)
+    (plain,) = torch.autograd.grad(plain_loss.sum(), s)
+    same_loss = tinker_loss(s, t, ids, temperature=temperature, sampler_logprobs=own)
+    (same,) = torch.autograd.grad(same_loss.sum(), s)
+    # sampler == student weights: ratio 1, the plain gradient (and value)
+    torch.testing.assert_close(same, plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(same_loss, plain_loss, atol=1e-6, rtol=0)
     lagging = own + torch.linspace(-0.5, 0.5, 6)
-    (weighted,) = torch.autograd.grad(tinker_loss(s, t, ids, sampler_logprobs=lagging).sum(), s)
+    (weighted,) = torch.autograd.grad(tinker_loss(s, t, ids, temperature=temperature, sampler_logprobs=lagging).sum(), s)
     ratio = torch.exp(own - lagging)
     torch.testing.assert_close(weighted, ratio[:, None] * plain)
 
@@ -268,3 +274,51 @@ def test_bad_shapes():
 def test_tinker_bad_arguments(ids, kwargs, name):
     with pytest.raises(ValueError, match=name):
         tinker_loss(torch.zeros(2, 5), torch.zeros(2, 5), ids, **kwargs)
+
+
+# guardrail metrics
+
+
+def ref_terms(s, t, beta, temperature, top_k):
+    """Per-entry divergence terms [N, k] on the teacher's top-k, float64, from the definition."""
+    idx = t.topk(top_k, dim=-1).indices if top_k else torch.arange(t.shape[-1]).expand(t.shape)
+    s, t = s.double().gather(-1, idx), t.double().gather(-1, idx)
+    ps, pt = torch.softmax(s / temperature, -1), torch.softmax(t / temperature, -1)
+    m = (1 - beta) * ps + beta * pt
+    return beta * pt * (pt.log() - m.log()) + (1 - beta) * ps * (ps.log() - m.log())
+
+
+@pytest.mark.parametrize("clip_mode", ["entry", "token"])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_guardrail_sums_against_definitions(clip_mode, temperature):
+    s, t = logits(9, 40, 31), logits(9, 40, 32)
+    clip = 0.01 if clip_mode == "entry" else 0.2
+    sums = guardrail_sums(s, t, beta=0.5, temperature=temperature, top_k=6, token_clip=clip,
+                          clip_mode=clip_mode, chunk_size=4)
+    probs = torch.softmax(t.double() / temperature, -1)
+    assert sums.tokens == 9
+    assert sums.teacher_topk_mass == pytest.approx(probs.topk(6, -1).values.sum().item(), rel=1e-5)
+    entropy = torch.distributions.Categorical(logits=s.double()).entropy().sum().item()
+    assert sums.student_entropy == pytest.approx(entropy, rel=1e-5)
+    terms = ref_terms(s, t, 0.5, temperature, 6)
+    if clip_mode == "token":
+        terms = terms.sum(-1)
+    assert sums.clip_candidates == terms.numel()
+    assert 0 < sums.clipped < terms.numel()  # some clipped, some not: the count can be wrong
+    assert sums.clipped == (terms > clip).sum().item()
+    metrics = sums.metrics()
+    assert metrics["clip_fraction"] == pytest.approx((terms > clip).double().mean().item())
+    assert metrics["teacher_topk_mass"] == pytest.approx(sums.teacher_topk_mass / 9)
+
+
+def test_guardrail_sums_without_top_k_or_clip_and_added_up():
+    s, t = logits(5, 30, 33), logits(5, 30, 34)
+    sums = guardrail_sums(s, t, top_k=0, token_clip=0.0)
+    assert sums.teacher_topk_mass == 5 and sums.clip_candidates == 0 and sums.metrics()["clip_fraction"] == 0
+    assert guardrail_sums(s, t, kind="tinker", top_k=30, token_clip=0.05).clip_candidates == 0  # tinker: no clip
+    total = GuardrailSums()
+    total.add(guardrail_sums(s[:2], t[:2], top_k=4, token_clip=0.05))
+    total.add(guardrail_sums(s[2:], t[2:], top_k=4, token_clip=0.05))
+    whole = guardrail_sums(s, t, top_k=4, token_clip=0.05)
+    for name, value in vars(whole).items():
+        assert getattr(total, name) == pytest.approx(value, rel=1e-6)

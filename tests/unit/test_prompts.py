@@ -1,6 +1,7 @@
 """Student and teacher sequences: identical completion ids at the end, privileged images only in the teacher's."""
 
 import pytest
+import torch
 
 from opsd.config import ModelConfig, PromptConfig
 from opsd.data.sample import Sample
@@ -47,13 +48,33 @@ def test_privileged_text_and_answer_channels(processor, sample):
     assert sample.privileged_text in prompt.text and f"Reference answer: {sample.answer}" in prompt.text
 
 
-def test_noise_ablation_keeps_shape_and_changes_pixels(processor, sample):
-    prompt = teacher_prompt(sample, processor, PromptConfig(noise_privileged_images=True))
+def test_pixel_noise_ablation_keeps_shape_and_changes_pixels(processor, sample):
+    prompt = teacher_prompt(sample, processor, PromptConfig(noise="pixel"))
     noisy = prompt.images[len(sample.images):]
-    assert len(noisy) == len(sample.privileged_images)
+    assert len(noisy) == len(sample.privileged_images) and prompt.noise_last_images == 0
     for real, fake in zip(sample.privileged_images, noisy):
         assert fake.size == real.size and fake.mode == real.mode and fake.tobytes() != real.tobytes()
     assert noise_like(sample.images[0], seed="a").tobytes() == noise_like(sample.images[0], seed="a").tobytes()
+
+
+def test_normal_noise_ablation_is_fresh_standard_normal_on_model_inputs(processor, sample):
+    """The reference ablation: randn on the processor's normalised pixel tensor, new at every use."""
+    real = encode_prompt(processor, teacher_prompt(sample, processor, PromptConfig()))
+    prompt = teacher_prompt(sample, processor, PromptConfig(noise="normal"))
+    assert prompt.noise_last_images == len(sample.privileged_images) > 0
+    torch.manual_seed(0)
+    first, second = (encode_prompt(processor, prompt).vision["pixel_values"] for _ in range(2))
+    n_problem = len(sample.images)  # the tiny VLM makes one [C, H, W] entry per image
+    assert first.shape == real.vision["pixel_values"].shape
+    assert torch.equal(first[:, :n_problem], real.vision["pixel_values"][:, :n_problem])  # problem images untouched
+    noise = first[:, n_problem:]
+    assert noise.numel() > 10_000
+    assert abs(noise.mean().item()) < 0.02 and abs(noise.std().item() - 1) < 0.02
+    assert not torch.equal(noise, second[:, n_problem:])  # fresh at every use
+    torch.manual_seed(0)
+    assert torch.equal(encode_prompt(processor, prompt).vision["pixel_values"], first)  # from the torch RNG
+    # The real privileged images normalise to a quite different spread: the noise is not theirs.
+    assert abs(real.vision["pixel_values"][:, n_problem:].std().item() - 1) > 0.1
 
 
 def test_completion_ids_align_at_the_end_of_both_sequences(processor, sample):

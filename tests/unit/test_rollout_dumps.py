@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from opsd.config import load_config
+from opsd.data.sample import Sample
 from opsd.dumps.record import (
-    answer_is_correct, extract_answer, recorder_for_step, teacher_top_n, token_scores,
+    TokenScores, answer_is_correct, extract_answer, recorder_for, recorder_for_step, rollout_rows, teacher_top_n,
+    token_scores,
 )
 from opsd.sequences import EncodedPrompt, Example
 from opsd.scoring import ScoredBatch
@@ -19,6 +21,25 @@ def test_answer_extraction_takes_the_last_tag_and_normalises():
     assert answer_is_correct("<answer>right</answer>", "left") is False
     assert answer_is_correct("left", "left") is False  # no <answer>: not counted as correct
     assert answer_is_correct("<answer>left</answer>", None) is None
+
+
+def test_dumps_judge_answers_with_the_runs_answer_pattern(tiny_text_dir):
+    """The SmolLM2 recipe answers "The answer is N."; its dumps must count that as eval does."""
+    from opsd.config import ModelConfig
+    from opsd.modeling import load_processor
+
+    cfg = load_config("configs/text_opsd_smollm2.yaml")
+    recorder = recorder_for(cfg)
+    assert recorder.answer_pattern == cfg.eval.answer_pattern
+    tokenizer = load_processor(ModelConfig(path=str(tiny_text_dir)))
+    ids = tokenizer("So 12 + 30 = 42. The answer is 42.", add_special_tokens=False)["input_ids"]
+    sample = Sample(id="s", question="What is 12 + 30?", images=[], privileged_images=[], answer="42")
+    example = Example("s", EncodedPrompt([1]), EncodedPrompt([1]), ids, [0.0] * len(ids))
+    scores = TokenScores(*(np.zeros(len(ids), np.float32) for _ in range(4)))
+    (row,) = rollout_rows(1, 0, [example], [scores], [sample], tokenizer, cfg.prompts, recorder.answer_pattern)
+    assert row["correct"] is True and row["predicted_answer"] == "42"
+    (default,) = rollout_rows(1, 0, [example], [scores], [sample], tokenizer, cfg.prompts)
+    assert default["correct"] is False  # the `<answer>` pattern would not find it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

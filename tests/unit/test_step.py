@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from opsd.config import LossConfig
+from opsd.scoring import DISTILL_METRIC
 from opsd.trainer.step import micro_batches, train_step
 from opsd.trainer.distributed import Ranks
 from tests.helpers.examples import text_examples, text_model
@@ -33,7 +34,8 @@ def test_micro_batch_size_leaves_the_update_unchanged(model_and_processor, loss_
         split, metrics = one_step(model, processor, examples, size, loss_cfg)
         for (name, a), b in zip(whole.named_parameters(), split.parameters()):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
-        for key in ("loss", "jsd", "ce", "grad_norm", "completion_tokens", "logprob_mismatch_mean"):
+        for key in ("loss", DISTILL_METRIC[loss_cfg.kind], "ce", "grad_norm", "completion_tokens", "logprob_mismatch_mean",
+                    "teacher_topk_mass", "clip_fraction", "student_entropy"):
             assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-7), key
     moved = max((a - b).abs().max().item() for a, b in zip(whole.parameters(), model.parameters()))
     assert moved > 1e-4  # the step did change the weights

@@ -1,0 +1,129 @@
+"""The self-test: `python -m opsd.train --config X --check`, what to run first on a new model,
+chat template or engine.
+
+1. No privileged information: the teacher scores the student's own prompt with the student's
+   weights. The distillation term must be 0 (to float tolerance), and the trainer's logprobs of the
+   sampled tokens must match the engine's (max gap below 1e-3): a gap means the engine and the
+   trainer see different sequences (chat template, tokenisation, image inputs) or weights.
+2. With the privileged information, as configured: the divergence distillation starts from.
+3. One optimizer step on those sequences, the weight sync, fresh samples: the engine must follow
+   the new weights (max gap below 1e-3 again).
+
+Single process only; nothing is written to `logging.output_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from opsd.config import Config, ConfigError
+from opsd.data.dataset import split_samples
+from opsd.device import resolve_device
+from opsd.loss import GuardrailSums
+from opsd.modeling import load_model, load_processor, prepare_model_dir
+from opsd.prompts import is_multimodal, student_prompt
+from opsd.rollout import make_engine, sampling_settings
+from opsd.rollout.weight_sync import push_weights
+from opsd.scoring import check_scoring_matches_forward, score_micro_batch
+from opsd.sequences import Example, build_examples, build_sample_examples, encode_prompt, prompt_length_check
+from opsd.teacher import make_teacher
+from opsd.trainer.optim import build_optimizer
+from opsd.trainer.rng import seed_everything
+from opsd.trainer.step import train_step
+
+DIVERGENCE_TOLERANCE = 1e-6
+"""|divergence| allowed when teacher and student score the same sequence with the same weights."""
+MISMATCH_TOLERANCE = 1e-3
+"""Largest |engine - trainer| logprob of a sampled token allowed."""
+
+
+@dataclass
+class Scores:
+    divergence: float
+    """Mean per-token distillation term over the completion tokens."""
+    divergence_max: float
+    mismatch_max: float
+    tokens: int
+    guardrails: dict
+
+
+@torch.no_grad()
+def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -> Scores:
+    """The distillation term and the engine/trainer mismatch of `examples`, without gradients."""
+    size = cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt
+    distill, mismatch, sums = [], [], GuardrailSums()
+    for start in range(0, len(examples), size):
+        micro = examples[start : start + size]
+        scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id)
+        distill.append(scored.distill.float())
+        mismatch.append((scored.student_logprobs - scored.engine_logprobs).abs())
+        sums.add(scored.guardrails(cfg.loss))
+    distill, mismatch = torch.cat(distill), torch.cat(mismatch)
+    return Scores(distill.mean().item(), distill.abs().max().item(), mismatch.max().item(), distill.numel(), sums.metrics())
+
+
+def run_check(cfg: Config, out=print) -> bool:
+    """The three checks on one step's prompts of the training split; True when all pass."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("--check runs in one process: start it with `python -m opsd.train`, not torchrun")
+    device = resolve_device(cfg.train.device)
+    model_dir = prepare_model_dir(cfg.model)
+    processor = load_processor(cfg.model)
+    pad_id = getattr(processor, "tokenizer", processor).pad_token_id
+    length_check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
+    num_prompts = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
+    samples, _ = split_samples(cfg, num_prompts, split="train", check=length_check, multimodal=is_multimodal(processor))
+    engine = make_engine(cfg, model_dir, processor)
+    try:
+        seed_everything(cfg.train.seed)
+        student = load_model(cfg.model, processor, device)
+        check_scoring_matches_forward(student)
+        teacher = make_teacher(cfg.teacher, student)
+        push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)  # the sync path, as a run starts
+        prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
+        completions = engine.generate(prompts, sampling_settings(cfg, 1, processor))
+        encoded = [encode_prompt(processor, p) for p in prompts]
+        same, _ = build_examples(encoded, encoded, [s.id for s in samples], completions, cfg.train.max_forward_tokens)
+        if not same:
+            out("check FAILED: no completion to score (empty completions or prompts longer than train.max_forward_tokens)")
+            return False
+        plain = score(cfg, student, student, same, pad_id)
+        plain_ok = abs(plain.divergence_max) <= DIVERGENCE_TOLERANCE and plain.mismatch_max < MISMATCH_TOLERANCE
+        out(f"check 1, no privileged information (teacher prompt = student prompt, teacher = student), "
+            f"{plain.tokens} tokens: divergence {plain.divergence:.3g} (max {plain.divergence_max:.3g}, must be "
+            f"<= {DIVERGENCE_TOLERANCE:g}), engine/trainer logprob gap max {plain.mismatch_max:.3g} "
+            f"(must be < {MISMATCH_TOLERANCE:g}): {'ok' if plain_ok else 'FAILED'}")
+
+        privileged, _ = build_sample_examples(processor, cfg.prompts, samples, prompts, completions, cfg.train.max_forward_tokens)
+        if not privileged:
+            out("check FAILED: no completion fits beside the teacher's prompt (train.max_forward_tokens)")
+            return False
+        with_info = score(cfg, student, teacher, privileged, pad_id)
+        guardrails = ", ".join(f"{k} {v:.3g}" for k, v in with_info.guardrails.items())
+        out(f"check 2, with privileged {'+'.join(cfg.prompts.privileged)} (teacher {cfg.teacher.mode}), "
+            f"{with_info.tokens} tokens: divergence {with_info.divergence:.4g} per token (max {with_info.divergence_max:.3g}); "
+            f"{guardrails}")
+
+        optimizer = build_optimizer(cfg.optim, student)
+        train_step(student, teacher, privileged, optimizer, loss_cfg=cfg.loss,
+                   micro_batch_size=cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt,
+                   max_grad_norm=cfg.optim.max_grad_norm, dtype=cfg.model.dtype, pad_id=pad_id)
+        moved = score(cfg, student, student, same, pad_id).mismatch_max  # new trainer vs old engine logprobs
+        push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+        fresh = engine.generate(prompts, sampling_settings(cfg, 2, processor))
+        after, _ = build_examples(encoded, encoded, [s.id for s in samples], fresh, cfg.train.max_forward_tokens)
+        synced = score(cfg, student, student, after, pad_id) if after else None
+        synced_ok = synced is not None and synced.mismatch_max < MISMATCH_TOLERANCE
+        gap = f"{synced.mismatch_max:.3g}" if synced else "nothing sampled"
+        note = "" if moved > 10 * MISMATCH_TOLERANCE else " (the update moved them too little for this to show the sync)"
+        out(f"check 3, one optimizer step (it moved the trainer's logprobs by up to {moved:.3g}), weight sync, "
+            f"fresh samples: engine/trainer logprob gap max {gap} (must be < {MISMATCH_TOLERANCE:g}): "
+            f"{'ok' if synced_ok else 'FAILED'}{note}")
+    finally:
+        engine.close()
+    passed = plain_ok and synced_ok
+    out("check passed" if passed else "check FAILED")
+    return passed

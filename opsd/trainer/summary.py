@@ -1,0 +1,91 @@
+"""The run summary: what a run did and where it ended up, on the console and in `summary.json`.
+
+Built at the end of every run from the run's `metrics.jsonl` (so a resumed run still shows where it
+started) and this process's wall time. `run_summary` returns a plain dict; extend it there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from opsd.trainer.console import THIRD_PARTY_LOG
+
+SUMMARY_FILE = "summary.json"
+STAGES = ("rollout", "train", "weight_sync", "eval")
+"""The stages every step record times as `time_{stage}_s` (train = scoring, backward and optimizer step)."""
+FIRST_LAST_KEYS = ("loss", "jsd", "tinker_loss", "eval/accuracy", "eval/teacher_accuracy")
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a `metrics.jsonl`, oldest first; an unreadable last line (a crash) is left out."""
+    if not Path(path).exists():
+        return []
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _first_last(records: list[dict], key: str) -> dict | None:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    if not points:
+        return None
+    (first_step, first), (last_step, last) = points[0], points[-1]
+    return {"first": first, "first_step": first_step, "last": last, "last_step": last_step}
+
+
+def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, start_step: int = 0) -> dict:
+    """Steps, wall time by stage, tokens per second (this process's steps, after `start_step`), the
+    first and last value of the loss and evaluation metrics (whole run), and the run's files."""
+    output_dir = Path(output_dir)
+    mine = [r for r in records if r["step"] > start_step or start_step == 0]  # step 0: the baseline evaluation
+    stage_time = {stage: sum(r.get(f"time_{stage}_s", 0.0) for r in mine) for stage in STAGES}
+    stage_time["other"] = max(0.0, wall_time_s - sum(stage_time.values()))
+    tokens = sum(r.get("completion_tokens", 0) for r in mine)
+    files = {"output_dir": str(output_dir), "metrics": str(output_dir / "metrics.jsonl"),
+             "summary": str(output_dir / SUMMARY_FILE)}
+    checkpoints = sorted(output_dir.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
+    if checkpoints:
+        files["last_checkpoint"] = str(checkpoints[-1])
+    if (output_dir / THIRD_PARTY_LOG).is_file():
+        files["run_log"] = str(output_dir / THIRD_PARTY_LOG)
+    if (output_dir / "rollouts").is_dir():
+        files["rollouts"] = str(output_dir / "rollouts")
+    return {
+        "steps": max((r["step"] for r in records), default=0),
+        "start_step": start_step,
+        "trained_steps": sum(1 for r in mine if "loss" in r),
+        "skipped_steps": sum(1 for r in mine if r.get("skipped_step")),
+        "wall_time_s": wall_time_s,
+        "stage_time_s": stage_time,
+        "completion_tokens": tokens,
+        "tokens_per_s": tokens / wall_time_s if wall_time_s > 0 else math.nan,
+        "metrics": {key: fl for key in FIRST_LAST_KEYS if (fl := _first_last(records, key)) is not None},
+        "files": files,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    stages = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" for name, seconds in summary["stage_time_s"].items())
+    lines = [
+        f"run summary: step {summary['steps']} ({summary['trained_steps']} trained, {summary['skipped_steps']} "
+        f"skipped in this process) in {summary['wall_time_s']:.1f} s: {stages}",
+        f"  {summary['completion_tokens']} completion tokens, {summary['tokens_per_s']:.1f} tokens/s",
+    ]
+    for key, fl in summary["metrics"].items():
+        lines.append(f"  {key}: {fl['first']:.4g} (step {fl['first_step']}) -> {fl['last']:.4g} (step {fl['last_step']})")
+    lines += [f"  {name}: {path}" for name, path in summary["files"].items()]
+    return "\n".join(lines)
+
+
+def write_summary(output_dir: Path, summary: dict) -> Path:
+    path = Path(output_dir) / SUMMARY_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
+    return path
