@@ -7,10 +7,15 @@ session, full tensors streamed in buckets of `--bucket-mb`. Beside it, the floor
 `torch.Tensor.copy_` of the same tensors into preallocated buffers (the same bytes, no engine).
 Both are the median of `--repeats` runs after one warm-up run.
 
+Beside that, `fsdp_gather`: the same model FSDP2-sharded over 2 gloo ranks (CPU), and the bytes each
+rank receives from the all-gathers of one `push_weights` (`SyncStats.gathered_bytes`) into a receiver
+holding float32 weights and into one holding bfloat16 weights (the engine's dtype in bfloat16 runs):
+the shards are cast before the per-FSDP-unit all-gather, so bfloat16 moves half the bytes.
+
 Run: .venv/bin/python bench/weight_sync.py [--sizes tiny small medium] [--bucket-mb 256] [--repeats 3]
 Prints one JSON object to stdout: per size, parameters, bytes, sync seconds and GB/s, copy seconds
-and GB/s, and `sync_over_copy` (how many times slower than the memory-copy floor the sync is).
-Single process: under torchrun each rank additionally all-gathers every tensor from its shards.
+and GB/s, and `sync_over_copy` (how many times slower than the memory-copy floor the sync is); per
+size under `fsdp_gather`, gathered bytes and seconds per step in float32 and bfloat16 and their ratio.
 """
 
 import argparse
@@ -97,6 +102,69 @@ def measure(size: str, bucket_mb: float, repeats: int) -> dict:
     }
 
 
+class CountingReceiver:
+    """Takes the weights in `weight_dtype` and drops them: only the gather is measured."""
+
+    def __init__(self, weight_dtype: torch.dtype):
+        self.weight_dtype = weight_dtype
+
+    def begin_weight_update(self) -> None:
+        pass
+
+    def receive_weights(self, bucket) -> None:
+        pass
+
+    def end_weight_update(self) -> None:
+        pass
+
+
+def _gather_rank(rank: int, port: int, size: str, repeats: int, out: str) -> None:
+    """One of 2 gloo ranks: shard the model, time `push_weights` per receiver dtype."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from opsd.config import DistributedConfig
+    from opsd.rollout.weight_sync import push_weights
+    from opsd.trainer.distributed import Ranks, build_mesh
+    from opsd.trainer.fsdp import shard_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cfg, cpu = DistributedConfig(), torch.device("cpu")
+    with tempfile.TemporaryDirectory(prefix="opsd-bench-") as tmp:
+        if rank == 0:
+            build_model(Path(tmp), SIZES[size])
+        path = [tmp]
+        dist.broadcast_object_list(path)  # rank 0's directory (same host)
+        dist.barrier()
+        model = AutoModelForCausalLM.from_pretrained(path[0], dtype=torch.float32)
+        dist.barrier()
+    shard_model(model, Ranks(rank, 2, rank, cpu, build_mesh(cfg, cpu, 2)), cfg, trainable=True)
+    result = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        stats = []
+        seconds = median_seconds(lambda: stats.append(push_weights(model, CountingReceiver(dtype))), repeats)
+        result[name] = {"gathered_bytes": stats[-1].gathered_bytes, "pushed_bytes": stats[-1].bytes, "seconds": round(seconds, 4)}
+    if rank == 0:
+        result["bfloat16_over_float32_bytes"] = result["bfloat16"]["gathered_bytes"] / result["float32"]["gathered_bytes"]
+        result["size"] = size
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def measure_fsdp_gather(size: str, repeats: int) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="opsd-bench-") as tmp:
+        out = str(Path(tmp) / "result.json")
+        mp.start_processes(_gather_rank, args=(port, size, repeats, out), nprocs=2, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
 def _run_child(size: str, bucket_mb: float, repeats: int) -> dict:
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps([size, bucket_mb, repeats])],
@@ -124,6 +192,7 @@ def main() -> None:
         "bucket_mb": args.bucket_mb,
         "repeats": args.repeats,
         "results": [_run_child(size, args.bucket_mb, args.repeats) for size in args.sizes],
+        "fsdp_gather": [measure_fsdp_gather(size, args.repeats) for size in args.sizes],
     }, indent=1))
 
 

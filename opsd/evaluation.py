@@ -63,7 +63,9 @@ def generate_once(prompt_lists: list[list[Prompt]], engine, settings: SamplingSe
 
     distinct = {key(p): p for prompts in prompt_lists for p in prompts}
     keys = list(distinct)
-    completions = engine.generate(list(distinct.values()), settings) if distinct else []
+    # A tensor-parallel engine samples as a group: every rank of it calls, even with nothing to ask.
+    collective = getattr(engine, "generate_is_collective", False)
+    completions = engine.generate(list(distinct.values()), settings) if distinct or collective else []
     text_of = {keys[c.prompt_index]: c.text for c in completions}
     return [[text_of[key(p)] for p in prompts] for prompts in prompt_lists]
 

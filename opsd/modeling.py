@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from opsd.config import ModelConfig
 from opsd.prompts import is_multimodal
+from opsd.vl_processor import load_image_only_processor
 
 
 def prepare_model_dir(cfg: ModelConfig) -> str:
@@ -19,6 +20,7 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
 
         build = {
             "tiny-vlm": tiny_models.build_tiny_vlm,
+            "tiny-qwen2.5-vl": tiny_models.build_tiny_qwen25_vl,
             "tiny-text": tiny_models.build_tiny_text_model,
             "smollm2": convert_smollm2.convert,
         }[cfg.build]
@@ -30,15 +32,55 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
 
 
 def load_processor(cfg: ModelConfig):
-    processor = AutoProcessor.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    try:
+        processor = AutoProcessor.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    except ImportError as err:
+        if "torchvision" not in str(err).lower():
+            raise
+        # Qwen-VL processors hold a video processor that needs torchvision; images need only PIL.
+        processor = load_image_only_processor(cfg.path, trust_remote_code=cfg.trust_remote_code)
     tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return processor
 
 
+def model_class(multimodal: bool):
+    return AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+
+
+def _options(cfg: ModelConfig) -> dict:
+    options = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        options["attn_implementation"] = cfg.attn_implementation
+    return options
+
+
 def load_model(cfg: ModelConfig, processor, device: torch.device) -> torch.nn.Module:
     """Master weights in float32; bfloat16 runs use autocast on top."""
-    auto = AutoModelForImageTextToText if is_multimodal(processor) else AutoModelForCausalLM
-    model = auto.from_pretrained(cfg.path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+    model = model_class(is_multimodal(processor)).from_pretrained(cfg.path, **_options(cfg))
     return model.to(device)
+
+
+def empty_model(cfg: ModelConfig, processor) -> torch.nn.Module:
+    """The model without its weights: parameters on the meta device, buffers (rotary tables) real.
+
+    Nothing is read from the weight files; under torchrun the ranks shard this and take their
+    shards of the weights rank 0 read (`opsd.trainer.fsdp.load_sharded`).
+    """
+    from accelerate import init_empty_weights
+
+    config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = model_class(is_multimodal(processor)).from_config(config, **_options(cfg))
+    if (Path(cfg.path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(cfg.path)
+    return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each transformer block's activations in the backward (one process or FSDP).
+
+    Non-reentrant checkpointing keeps FSDP's hooks working in the recomputed forward.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -36,7 +36,8 @@ def completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
 def forward_completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch.inputs.items()}
-    hidden = model.model(**inputs).last_hidden_state
+    # No KV cache: nothing is generated here, and the teacher's no-grad forward would otherwise keep one.
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state
     logits = model.get_output_embeddings()(hidden[batch.predicts_completion.to(device)])
     return postprocess_logits(model.config, logits)
 
@@ -78,7 +79,7 @@ def check_scoring_matches_forward(model, num_tokens: int = 6, atol: float = 1e-4
     model.eval()
     try:
         expected = model(**batch.inputs).logits[0].float()
-        got = forward_completion_logits(model, batch).float()
+        got = completion_logits(model, batch).float()  # through FSDP's scoring method when sharded
     finally:
         model.train(was_training)
     if not torch.allclose(got, expected, atol=atol, rtol=atol):

@@ -20,17 +20,24 @@ class EncodedPrompt:
     input_ids: list[int]
     """Fully expanded ids, as the model sees them (image placeholders expanded)."""
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Processor outputs besides the ids (pixel values, masks), batch dimension 1."""
+    """Processor outputs about the images (pixel values, masks, `image_grid_thw`), batch dimension 1
+    for per-image tensors, none for flat patch tensors."""
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Other processor outputs with one value per id (Qwen-VL's `mm_token_type_ids`), 1-D."""
 
 
 def encode_prompt(processor, prompt: Prompt) -> EncodedPrompt:
     """Ids and vision inputs; the prompt's `noise_last_images` get fresh noise from the torch RNG."""
     if prompt.images:
         out = processor(text=[prompt.text], images=[prompt.images], return_tensors="pt")
-        vision = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        ids = out["input_ids"][0]
+        rest = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        # [1, prompt length] outputs follow the ids (and must be padded like them in a batch).
+        per_token = {k: v[0] for k, v in rest.items() if v.dim() == 2 and v.shape == out["input_ids"].shape}
+        vision = {k: v for k, v in rest.items() if k not in per_token}
         if prompt.noise_last_images:
             vision["pixel_values"] = noise_last_images(processor, vision["pixel_values"], prompt)
-        return EncodedPrompt(out["input_ids"][0].tolist(), vision)
+        return EncodedPrompt(ids.tolist(), vision, per_token)
     tokenizer = processor.tokenizer if is_multimodal(processor) else processor
     return EncodedPrompt(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
 
@@ -87,6 +94,13 @@ def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: 
         attention_mask[i, : len(row)] = 1
         predicts[i, len(p.input_ids) - 1 : len(row) - 1] = True
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    for key in dict.fromkeys(k for p in prompts for k in p.per_token):
+        # Prompt values, then zeros (text) for the completion, the padding and rows without images.
+        first = next(p.per_token[key] for p in prompts if key in p.per_token)
+        inputs[key] = first.new_zeros((len(rows), width))
+        for i, p in enumerate(prompts):
+            if key in p.per_token:
+                inputs[key][i, : len(p.input_ids)] = p.per_token[key]
     with_images = [p.vision for p in prompts if p.vision]
     if with_images:
         for key, first in with_images[0].items():

@@ -25,10 +25,11 @@ def update_teacher(cfg: TeacherConfig, teacher: nn.Module, student: nn.Module) -
         return
     # Sharded (FSDP) models are updated shard by shard: both are sharded alike, so local shards
     # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU.
-    teacher_params = [_local(p) for p in teacher.parameters()]
-    student_params = [_local(p.detach()).to(t.device) for p, t in zip(student.parameters(), teacher_params)]
+    teacher_params = [local_tensor(p) for p in teacher.parameters()]
+    student_params = [local_tensor(p.detach()).to(t.device) for p, t in zip(student.parameters(), teacher_params)]
     torch._foreach_lerp_(teacher_params, student_params, 1.0 - cfg.ema_decay)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) tensor; a plain tensor as is."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor

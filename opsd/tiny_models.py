@@ -1,7 +1,8 @@
 """Tiny random models for tests and CPU demos, built locally in about a second.
 
-`build_tiny_vlm` writes an Idefics3 (SmolVLM architecture) directory and `build_tiny_text_model` a
-Qwen2 one. Both are ordinary Hugging Face directories (safetensors, config, generation config,
+`build_tiny_vlm` writes an Idefics3 (SmolVLM architecture) directory, `build_tiny_qwen25_vl` a
+Qwen2.5-VL one (3-D "mrope" positions; transformers only, vLLM's Qwen-VL needs torchvision) and
+`build_tiny_text_model` a Qwen2 one. Both are ordinary Hugging Face directories (safetensors, config, generation config,
 tokenizer with a ChatML chat template; processor config for the VLM) that load in transformers and
 in vLLM. Nothing is downloaded: the byte-level BPE tokenizer is trained here on a small built-in
 corpus, and the weights are random from `seed`.
@@ -10,8 +11,10 @@ Choices that matter downstream:
 - The tokenizer adds no BOS/EOS; the chat template carries every special token, so the templated
   prompt text tokenizes to the same ids in transformers and vLLM.
 - EOS is `<|im_end|>`, pad is `<|endoftext|>`.
-- VLM images are resized to 56x56 without splitting: each image becomes
+- Idefics3 images are resized to 56x56 without splitting: each image becomes
   `<fake_token_around_image><global-img>` + 4 x `<image>` + `<fake_token_around_image>`.
+- Qwen2.5-VL images keep their aspect ratio within 28x28 to 56x56 pixels (multiples of 28): each
+  becomes `<|vision_start|>` + 1 to 4 x `<|image_pad|>` + `<|vision_end|>`.
 - head_dim is 32, the smallest the vLLM CPU attention backend accepts.
 - Embeddings are untied, so HF and vLLM never disagree about which weights are shared.
 """
@@ -31,13 +34,21 @@ from transformers import (
     Idefics3ImageProcessorPil,
     Idefics3Processor,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from opsd.vl_processor import image_only_processor
 
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 IMAGE_SPECIALS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
+QWEN_VL_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_VL_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # expanded by the processor per image
 EOS, PAD = "<|im_end|>", "<|endoftext|>"
 
 IMAGE_SIZE, PATCH_SIZE, SCALE_FACTOR = 56, 14, 2
@@ -57,6 +68,7 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+QWEN_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("'<image>'", repr(QWEN_VL_IMAGE))
 
 # Built-in BPE corpus: the vocabulary of the synthetic tasks and the prompts, plus common English.
 _CORPUS = """
@@ -94,7 +106,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(*, extra_specials: tuple[str, ...] = (), vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    *, extra_specials: tuple[str, ...] = (), vocab_size: int = 1024, template: str = CHAT_TEMPLATE
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE with ChatML specials on the built-in corpus (deterministic, ~10 ms)."""
     tok = Tokenizer(models.BPE())
     # Qwen2's exact pipeline: AutoTokenizer rebuilds it for a qwen2 config whatever tokenizer.json
@@ -118,7 +132,7 @@ def build_tokenizer(*, extra_specials: tuple[str, ...] = (), vocab_size: int = 1
         eos_token=EOS,
         pad_token=PAD,
         extra_special_tokens=list(extra_specials),
-        chat_template=CHAT_TEMPLATE,
+        chat_template=template,
         model_max_length=4096,
     )
 
@@ -165,6 +179,13 @@ def _prepare(out_dir, marker: dict, overwrite: bool) -> tuple[pathlib.Path, bool
     return out, False
 
 
+def _save_random_model(model_class, config, tokenizer, seed: int, out: pathlib.Path) -> None:
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config = _generation_config(tokenizer)
+    model.save_pretrained(out)
+
+
 def _finish(out: pathlib.Path, marker: dict) -> pathlib.Path:
     # Written last, so a half-written directory is never mistaken for a finished build.
     (out / "tiny_model.json").write_text(json.dumps(marker))
@@ -179,10 +200,7 @@ def build_tiny_text_model(out_dir, *, seed: int = 0, overwrite: bool = False) ->
         return out
     tokenizer = build_tokenizer()
     config = Qwen2Config(**_text_kwargs(tokenizer), use_sliding_window=False)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = _generation_config(tokenizer)
-    model.save_pretrained(out)
+    _save_random_model(Qwen2ForCausalLM, config, tokenizer, seed, out)
     tokenizer.save_pretrained(out)
     return _finish(out, marker)
 
@@ -209,10 +227,7 @@ def build_tiny_vlm(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathli
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
-    model.generation_config = _generation_config(tokenizer)
-    model.save_pretrained(out)
+    _save_random_model(Idefics3ForConditionalGeneration, config, tokenizer, seed, out)
     # Fixed 56x56 input, no tiling: every image costs the same small number of tokens.
     image_processor = Idefics3ImageProcessorPil(
         do_image_splitting=False,
@@ -225,4 +240,41 @@ def build_tiny_vlm(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathli
         image_processor, tokenizer, image_seq_len=IMAGE_SEQ_LEN, chat_template=CHAT_TEMPLATE
     )
     processor.save_pretrained(out)
+    return _finish(out, marker)
+
+
+def build_tiny_qwen25_vl(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathlib.Path:
+    """Write a tiny random Qwen2.5-VL (about 0.76M parameters) with its image-only processor.
+
+    The shapes keep what makes the family different: 3-D rotary positions (mrope sections 4+6+6 =
+    head_dim / 2), window attention in the vision tower with one full-attention block, 2x2 patch
+    merging, and images of any aspect ratio as flat patch tensors with `image_grid_thw`.
+    """
+    marker = {"kind": "tiny-qwen2.5-vl", "seed": seed, "version": 1}
+    out, reuse = _prepare(out_dir, marker, overwrite)
+    if reuse:
+        return out
+    tokenizer = build_tokenizer(extra_specials=QWEN_VL_SPECIALS, template=QWEN_VL_CHAT_TEMPLATE)
+    token = tokenizer.convert_tokens_to_ids
+    text = _text_kwargs(tokenizer)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(**text, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}),
+        vision_config=dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
+            patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+            fullatt_block_indexes=[1], tokens_per_second=2,
+        ),
+        image_token_id=token("<|image_pad|>"),
+        video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"),
+        vision_end_token_id=token("<|vision_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    _save_random_model(Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed, out)
+    # 28x28 to 56x56 pixels: 1 to 4 image tokens per image, varying with the aspect ratio.
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28, max_pixels=IMAGE_SIZE * IMAGE_SIZE, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    image_only_processor(Qwen2_5_VLProcessor, image_processor, tokenizer).save_pretrained(out)
     return _finish(out, marker)

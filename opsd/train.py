@@ -31,7 +31,7 @@ from opsd.data.errors import BadSampleError
 from opsd.data.stream import SampleStream
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
 from opsd.evaluation import Evaluator
-from opsd.modeling import load_model, load_processor, prepare_model_dir
+from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import Completion, RolloutEngine, make_engine, sampling_settings
 from opsd.rollout.weight_sync import push_weights
@@ -42,7 +42,8 @@ from opsd.trainer.checkpoint import CheckpointError, TrainingParts
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
-from opsd.trainer.fsdp import shard_model
+from opsd.trainer.fsdp import copy_of_shards, load_sharded
+from opsd.trainer.memory_plan import detected_device_gb, plan_memory, world_size_from_env
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.rng import seed_everything
@@ -67,12 +68,15 @@ def train(cfg: Config) -> Path:
                 finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr, **timer.record()})
                 continue
             recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
+            if hasattr(run.engine, "release_memory"):  # a colocated engine gives training its memory until the sync
+                run.engine.release_memory()
             with timer("train"):
                 metrics = update_student(run, examples, step_tokens, recorder, samples[0])
                 advance_schedules(run)
             with timer("weight_sync"):  # the next rollouts are on-policy
                 sync = push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
-            record = {**metrics, **counts, "lr": lr, **timer.record(), "weight_sync_bytes": sync.bytes}
+            record = {**metrics, **counts, "lr": lr, **timer.record(),
+                      "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
             finish_step(run, step, record, rollouts=(recorder, examples, samples) if recorder else None)
         end_run(run)
     return run.output_dir
@@ -119,17 +123,12 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     processor = load_processor(cfg.model)
     # Datasets are opened (and checked against the config) before any weights are loaded.
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
-    stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor))
+    stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor), sharded=ranks.enabled)
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     with native_output_to_log(None if cfg.logging.verbose else log_file):
         engine = make_engine(cfg, model_dir, processor)
     seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
-    # Under torchrun the full weights are loaded on the CPU, then each rank keeps its shard.
-    student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else ranks.device)
-    check_scoring_matches_forward(student)  # a model whose logits scoring would not reproduce stops here
-    teacher = make_teacher(cfg.teacher, student)
-    if ranks.enabled:
-        student, teacher = shard_models(cfg, ranks, student, teacher)
+    student, teacher = load_student_and_teacher(cfg, processor, ranks)
     optimizer = build_optimizer(cfg.optim, student)
     scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
     logger = (
@@ -241,12 +240,25 @@ def end_run(run: Run) -> None:
     run.ranks.close()
 
 
-def shard_models(cfg: Config, ranks: Ranks, student, teacher):
-    """FSDP2 for the student and for the frozen teacher (a `self` teacher is the student itself)."""
-    sharded = shard_model(student, ranks, cfg.distributed, trainable=True)
-    if teacher is student:
-        return sharded, sharded
-    return sharded, shard_model(teacher, ranks, cfg.distributed, trainable=False)
+def load_student_and_teacher(cfg: Config, processor, ranks: Ranks):
+    """The student and the teacher scoring model (`self`: the student itself).
+
+    Under torchrun both are FSDP2-sharded from empty models: rank 0 alone reads the weight files,
+    every rank receives its shards, and an EMA / fixed teacher copies the student's shards.
+    """
+    student = empty_model(cfg.model, processor) if ranks.enabled else load_model(cfg.model, processor, ranks.device)
+    if cfg.distributed.activation_checkpointing:
+        enable_activation_checkpointing(student)
+    if not ranks.enabled:
+        check_scoring_matches_forward(student)  # a model whose logits scoring would not reproduce stops here
+        return student, make_teacher(cfg.teacher, student)
+    read = lambda: load_model(cfg.model, processor, torch.device("cpu")).state_dict()  # noqa: E731
+    student = load_sharded(student, read, ranks, cfg.distributed, trainable=True)
+    check_scoring_matches_forward(student)  # on every rank: the sharded forwards gather collectively
+    student.reshard()  # a trainable root keeps its gathered weights until a backward, which this had none of
+    if cfg.teacher.mode == "self":
+        return student, student
+    return student, copy_of_shards(empty_model(cfg.model, processor), student, ranks, cfg.distributed)
 
 
 def rank_padding(cfg: Config, processor, sample, pad_id: int):
@@ -281,10 +293,23 @@ def describe_plan(cfg: Config) -> str:
     ])
 
 
+def describe_memory(cfg: Config, world_size: int, device_gb: float | None) -> str:
+    try:
+        return plan_memory(cfg, world_size, device_gb).describe()
+    except FileNotFoundError as err:
+        if cfg.model.build:
+            return f"memory plan: skipped, {cfg.model.path} is built at the first run (model.build: {cfg.model.build})"
+        return f"memory plan: skipped, {err}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, plan and memory plan, exit")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: ranks to plan memory for (default: torchrun's WORLD_SIZE, else 1)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="--dry-run: memory of one device in GB (default: the detected CUDA device)")
     parser.add_argument("--check", action="store_true",
                         help="self-test on one step's prompts (divergence 0 without privileged information, "
                              "engine/trainer logprobs agree, weight sync), print the divergence with it, exit")
@@ -305,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
+        print(describe_memory(cfg, args.world_size or world_size_from_env(), args.gpu_memory_gb or detected_device_gb()))
         return 0
     try:
         if args.check:

@@ -18,6 +18,13 @@ def tiny_vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_vl_dir(tmp_path_factory):
+    from opsd.tiny_models import build_tiny_qwen25_vl
+
+    return build_tiny_qwen25_vl(tmp_path_factory.mktemp("models") / "tiny-qwen25vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_text_dir(tmp_path_factory):
     from opsd.tiny_models import build_tiny_text_model
 

@@ -215,9 +215,19 @@ def open_source(cfg: Config, key: str, dataset: DatasetConfig, split: str, stats
     return RowSource(name=f"{name}[{split}]", table=table, plan=plan, rules=rules, files=files, stats=stats)
 
 
-def check_fits_model(sources: list[RowSource], multimodal: bool) -> None:
-    """A text-only model cannot take images: refuse at start rather than at the first prompt."""
+def check_fits_model(sources: list[RowSource], multimodal: bool, *, sharded: bool = False) -> None:
+    """A text-only model cannot take images, and a sharded (FSDP) vision-language model cannot take
+    rows without images: refuse at start rather than at the first prompt, or in a hang."""
     if multimodal:
+        for source in sources:
+            if sharded and not source.plan.columns["images"]:
+                # A rank whose batch has no image skips the vision tower, whose FSDP all-gathers the
+                # other ranks then wait for forever.
+                raise DataConfigError(
+                    f"dataset {source.name} has no problem-image column, so its rows are text-only; under "
+                    "torchrun (FSDP) a vision-language model needs an image in every training row (every rank "
+                    "must run the vision tower). Train this mixture in a single process, or without that dataset"
+                )
         return
     for source in sources:
         image_columns = source.plan.columns["images"] + source.plan.columns["privileged_images"]
@@ -229,12 +239,13 @@ def check_fits_model(sources: list[RowSource], multimodal: bool) -> None:
             )
 
 
-def train_stream(cfg: Config, *, check=None, multimodal: bool = True) -> SampleStream:
-    """The training mixture (`take(n, rank=, world_size=)` gives a data-parallel rank its share)."""
+def train_stream(cfg: Config, *, check=None, multimodal: bool = True, sharded: bool = False) -> SampleStream:
+    """The training mixture (`take(n, rank=, world_size=)` gives a data-parallel rank its share);
+    `sharded`: trained under FSDP (see `check_fits_model`)."""
     stats = Counter()
     pairs = dataset_configs(cfg.data)
     sources = [open_source(cfg, key, d, d.split, stats) for key, d in pairs]
-    check_fits_model(sources, multimodal)
+    check_fits_model(sources, multimodal, sharded=sharded)
     return SampleStream(
         sources, weights=[d.weight for _, d in pairs], seed=cfg.train.seed, shuffle=cfg.data.shuffle,
         on_bad_sample=cfg.data.on_bad_sample, check=check, stats=stats,

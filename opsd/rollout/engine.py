@@ -76,3 +76,6 @@ class RolloutEngine(Protocol):
         """All buckets are in: the next `generate` must use the new weights."""
 
     def close(self) -> None: ...
+
+    # Optional: `release_memory()`, called after the step's rollouts and before training, always
+    # followed by a weight update before the next `generate` (the colocated vLLM engine sleeps there).

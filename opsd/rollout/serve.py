@@ -41,6 +41,9 @@ def serve_command(cfg: Config, model_path: str, extra_args: list[str] = ()) -> t
         *cli_flags(engine_args(**{**engine_options(cfg, model_path), "sleep_mode": False})),
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-scale-out",
+        # Sample with exactly the requested settings: by default the server takes the model's
+        # generation_config.json defaults (e.g. Qwen's repetition_penalty 1.05, top_k, top_p).
+        "--generation-config", "vllm",
     ]
     env = {
         "VLLM_SERVER_DEV_MODE": "1",
@@ -74,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         return 0
     print(line, file=sys.stderr, flush=True)
+    from opsd.rollout.vllm_reload import check_vllm_version
+
+    try:
+        check_vllm_version()
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     os.execvpe(command[0], command, {**os.environ, **env})
 
 

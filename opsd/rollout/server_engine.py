@@ -65,8 +65,11 @@ class ServerEngine:
         startup_timeout_s: float = 300,
         request_timeout_s: float = 600,
         max_parallel_requests: int = 32,
+        weight_dtype: torch.dtype | None = None,
     ):
         self.url = url
+        self.weight_dtype = weight_dtype
+        """The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16)."""
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.client = httpx.Client(base_url=url, timeout=request_timeout_s)
         self._wait_until_ready(startup_timeout_s)
@@ -85,6 +88,7 @@ class ServerEngine:
         return cls(
             s.url, processor, weights_dir=s.weights_dir, startup_timeout_s=s.startup_timeout_s,
             request_timeout_s=s.request_timeout_s, max_parallel_requests=s.max_parallel_requests,
+            weight_dtype=getattr(torch, cfg.model.dtype),  # the server runs with --dtype model.dtype
         )
 
     # -- HTTP -------------------------------------------------------------------------------------

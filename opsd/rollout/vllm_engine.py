@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 
@@ -13,7 +12,14 @@ from opsd.prompts import Prompt
 from opsd.rollout.colocate import engine_kwargs, generate_in_group
 from opsd.rollout.engine import Completion, SamplingSettings
 from opsd.rollout.vllm_args import cpu_environment, engine_args, sampling_params
-from opsd.rollout.vllm_reload import begin_reload, finish_reload, load_bucket
+from opsd.rollout.vllm_reload import (
+    begin_reload,
+    check_vllm_version,
+    finish_reload,
+    load_bucket,
+    quiet_rotary_reload_warning,
+    reset_caches,
+)
 
 
 def _set_env_defaults() -> None:
@@ -27,13 +33,6 @@ def _set_env_defaults() -> None:
     if not torch.cuda.is_available():
         # vLLM's CPU worker pins threads; without this torch in the same process may fall to one.
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-
-
-def _quiet_rotary_reload_warning() -> None:
-    # Rotary caches are derived buffers, never in a checkpoint; vLLM warns about them on every sync.
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        lambda record: "RotaryEmbedding: Failed to load weights" not in record.getMessage()
-    )
 
 
 class VLLMEngine:
@@ -55,13 +54,17 @@ class VLLMEngine:
         """Defaults are the config's (opsd/config.py); `engine_args` (opsd/rollout/vllm_args.py) says
         what each option sets in vLLM."""
         _set_env_defaults()
+        check_vllm_version()
         from vllm import LLM
 
-        _quiet_rotary_reload_warning()
+        quiet_rotary_reload_warning()
         # vLLM refuses sleep mode on CPU; on GPUs it frees the engine's memory while the trainer trains.
         self.sleep_mode = sleep_mode and torch.cuda.is_available()
         self._asleep: set[str] = set()
+        self._weights_discarded = False
         self.tensor_parallel_size = tensor_parallel_size
+        self.weight_dtype = getattr(torch, dtype)
+        """The engine's weights are `dtype`: the weight sync casts (and gathers) in it."""
         self.llm = LLM(
             **engine_args(
                 model_path, dtype=dtype, max_model_len=max_model_len, max_images_per_prompt=max_images_per_prompt,
@@ -72,13 +75,17 @@ class VLLMEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
 
-    # Sleep mode (CUDA): asleep from the end of a rollout to the weight sync, so that training has the
-    # memory. Level 1 offloads the weights to host memory and drops the KV cache. The training
-    # allocator's cached blocks are returned to the driver before waking, or the wake-up can run out.
-    def _sleep(self) -> None:
+    # Sleep mode (CUDA): asleep from the end of the step's rollouts to the weight sync, so that
+    # training has the memory. Level 2 discards the weights (the sync after the step reloads every
+    # one of them; level 1 would copy ~16 GB at 7B to pinned host memory and back for nothing) and the
+    # KV cache; vLLM 0.32 keeps the buffers. The training allocator's cached blocks are returned to
+    # the driver before waking, or the wake-up can run out.
+    def release_memory(self) -> None:
+        """Free the engine's GPU memory until the next weight update (which must follow)."""
         if self.sleep_mode and not self._asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_discarded = True
             torch.cuda.empty_cache()
 
     def _wake(self, *tags: str) -> None:
@@ -95,16 +102,22 @@ class VLLMEngine:
         return {"prompt_token_ids": self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]}
 
     def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
-        self._wake("weights", "kv_cache")  # after a skipped step there was no weight sync to wake it
+        if self._weights_discarded:
+            raise RuntimeError("the engine's weights were released (sleep level 2): push weights before sampling")
         if self.tensor_parallel_size > 1:
-            completions = generate_in_group(self._generate, prompts, sampling)
-        else:
-            completions = self._generate(prompts, sampling)
-        self._sleep()
-        return completions
+            return generate_in_group(self._generate, prompts, sampling)
+        return self._generate(prompts, sampling)
+
+    @property
+    def generate_is_collective(self) -> bool:
+        """Every rank of a tensor-parallel engine must call `generate`, with or without prompts."""
+        return self.tensor_parallel_size > 1
 
     def _generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams
+
+        if not prompts:
+            return []
 
         params = [SamplingParams(**sampling_params(sampling, i), skip_special_tokens=True) for i in range(len(prompts))]
         outputs = self.llm.generate([self._request(p) for p in prompts], params, use_tqdm=False)
@@ -128,13 +141,9 @@ class VLLMEngine:
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(finish_reload)
+        self._weights_discarded = False
         self._wake("kv_cache")
-        # Cached KV blocks and image encodings were computed by the old weights. The scheduler
-        # keeps its own record of cached encodings: without this reset the next request with a
-        # known image fails with "Encoder cache miss".
-        self.llm.reset_prefix_cache()
-        self.llm.llm_engine.reset_encoder_cache()
-        self.llm.reset_mm_cache()
+        reset_caches(self.llm)
 
     def weight_checksums(self) -> dict[str, str]:
         """Digest of every engine parameter; lets tests and the demo see that a sync landed."""

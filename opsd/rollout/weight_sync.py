@@ -4,6 +4,12 @@ A receiver (any rollout engine, or a user's own object pushing weights elsewhere
 session per optimizer step: `begin_weight_update()`, then `receive_weights(bucket)` for each bucket
 of `(hf_name, full_tensor)` pairs, then `end_weight_update()`. Buckets bound the memory of the
 gathered full tensors (never the whole state dict at once) and keep per-call overhead low.
+
+A receiver may declare `weight_dtype` (a torch dtype; the vLLM engines hold bfloat16 weights in
+bfloat16 runs): tensors are cast to it before anything else happens to them. Sharded (FSDP2)
+models are gathered one FSDP unit at a time (a transformer block, or the root's embeddings and
+head), every parameter of the unit in one all-gather of its shards already cast to that dtype:
+bfloat16 weights move half the bytes of float32 ones.
 """
 
 from __future__ import annotations
@@ -27,17 +33,71 @@ class WeightReceiver(Protocol):
 class SyncStats:
     seconds: float
     bytes: int
+    """Bytes of the full tensors pushed into the receiver."""
     buckets: int
     tensors: int
+    gathered_bytes: int = 0
+    """Bytes this rank received from all-gathers of shards (0 in a single process)."""
 
 
-def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every parameter; sharded (DTensor) ones are gathered one at a time."""
+def _units(model: torch.nn.Module) -> list[list[tuple[str, torch.Tensor]]]:
+    """The parameters grouped by the FSDP unit that owns them (the innermost FSDP module around them);
+    one group per parameter of a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    prefixes = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    if not prefixes:
+        return [[(name, param)] for name, param in model.named_parameters()]
+    groups: dict[str, list] = {prefix: [] for prefix in prefixes}
     for name, param in model.named_parameters():
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        yield name, tensor
+        owner = max((p for p in prefixes if p == "" or name.startswith(p + ".")), key=len)
+        groups[owner].append((name, param))
+    return [group for group in groups.values() if group]
+
+
+def _gather_unit(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, counter: list[int]):
+    """Full tensors of one unit's DTensor parameters (sharded on dim 0 over one mesh dimension, the
+    FSDP2 layout) from a single all-gather of their local shards, cast to `dtype` first."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = params[0][1].device_mesh, params[0][1].placements
+    shard_dim = next(i for i, p in enumerate(placements) if isinstance(p, Shard))
+    group, world = mesh.get_group(shard_dim), mesh.size(shard_dim)
+    pieces, layout = [], []
+    for name, param in params:
+        local = param.detach().to_local()
+        local = local.to(dtype) if dtype is not None else local
+        rows = -(-param.shape[0] // world)  # torch.chunk: every rank but the last ones holds `rows`
+        padded = local.new_zeros((rows, *param.shape[1:]))
+        padded[: local.shape[0]] = local
+        pieces.append(padded.flatten())
+        layout.append((name, param.shape, rows, padded.numel()))
+    send = torch.cat(pieces)
+    received = send.new_empty(world * send.numel())
+    dist.all_gather_into_tensor(received, send, group=group)
+    counter[0] += received.numel() * received.element_size()
+    received = received.view(world, -1)
+    offset = 0
+    for name, shape, rows, numel in layout:
+        per_rank = received[:, offset : offset + numel].reshape(world * rows, *shape[1:])
+        yield name, per_rank[: shape[0]]
+        offset += numel
+
+
+def full_tensors(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, counter: list[int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor in `dtype`) for every parameter; a sharded model is gathered unit by unit
+    (`counter[0]` adds up the bytes received)."""
+    counter = counter if counter is not None else [0]
+    for unit in _units(model):
+        if hasattr(unit[0][1], "to_local"):
+            yield from _gather_unit(unit, dtype, counter)
+        else:
+            for name, param in unit:
+                tensor = param.detach()
+                yield name, tensor.to(dtype) if dtype is not None else tensor
 
 
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -55,14 +115,17 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 
 
 def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
-    """One update session: every parameter of `model`, in buckets, into `receiver`."""
+    """One update session: every parameter of `model`, in buckets, into `receiver` (in its
+    `weight_dtype` when it declares one)."""
     start = time.perf_counter()
     total_bytes = count = n_buckets = 0
+    gathered = [0]
     receiver.begin_weight_update()
-    for bucket in buckets(full_tensors(model), int(bucket_mb * 2**20)):
+    tensors = full_tensors(model, getattr(receiver, "weight_dtype", None), gathered)
+    for bucket in buckets(tensors, int(bucket_mb * 2**20)):
         receiver.receive_weights(bucket)
         n_buckets += 1
         count += len(bucket)
         total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
     receiver.end_weight_update()
-    return SyncStats(time.perf_counter() - start, total_bytes, n_buckets, count)
+    return SyncStats(time.perf_counter() - start, total_bytes, n_buckets, count, gathered[0])

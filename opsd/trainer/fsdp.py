@@ -4,11 +4,17 @@ Each transformer block (every entry of the model's outermost `nn.ModuleList`s: t
 the vision encoder layers) is its own FSDP unit; the root unit holds the rest (embeddings, norms,
 LM head, vision embeddings, connector). Parameter names stay the Hugging Face ones, so the weight
 sync and the optimizer see the same names as in a single process.
+
+Host memory: the weights are read once per process group. Every rank shards an empty model (meta
+parameters), rank 0 alone reads the weight files, and `set_model_state_dict(...,
+broadcast_from_rank0=True)` sends each rank its shards. An EMA / fixed teacher is a copy of the
+student's shards, never of a full model.
 """
 
 from __future__ import annotations
 
 import types
+from typing import Callable
 
 import torch
 from torch import nn
@@ -20,9 +26,11 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from opsd.config import DistributedConfig
 from opsd.scoring import SCORING_METHOD, forward_completion_logits
+from opsd.teacher import local_tensor
 from opsd.trainer.distributed import Ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -40,14 +48,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, ranks: Ranks, cfg: DistributedConfig, *, trainable: bool) -> nn.Module:
     """Shard `model` in place over `ranks.mesh`; a frozen model (`trainable=False`) may live on the CPU."""
-    if trainable and cfg.activation_checkpointing:
-        # Non-reentrant checkpointing keeps FSDP's hooks working in the recomputed forward.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    offload = (
-        CPUOffloadPolicy()
-        if not trainable and cfg.cpu_offload_teacher and ranks.device.type == "cuda"
-        else OffloadPolicy()
-    )
+    offload = CPUOffloadPolicy() if _offloaded(ranks, cfg, trainable) else OffloadPolicy()
     options = dict(
         mesh=ranks.mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]),
@@ -71,10 +72,49 @@ def shard_model(model: nn.Module, ranks: Ranks, cfg: DistributedConfig, *, train
     return model
 
 
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Reduce gradients over ranks in this backward (the last micro-step) or only accumulate them."""
+def _offloaded(ranks: Ranks, cfg: DistributedConfig, trainable: bool) -> bool:
+    return not trainable and cfg.cpu_offload_teacher and ranks.device.type == "cuda"
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate a sharded empty model's shards on `device`, keeping its (unsharded, real) buffers."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+
+
+def load_sharded(
+    empty: nn.Module, read_full_state_dict: Callable[[], dict], ranks: Ranks, cfg: DistributedConfig, *, trainable: bool
+) -> nn.Module:
+    """Shard `empty` (meta parameters, real buffers), then fill every rank's shards with the weights
+    rank 0 alone reads (`read_full_state_dict` runs there only)."""
+    shard_model(empty, ranks, cfg, trainable=trainable)
+    _materialize(empty, torch.device("cpu") if _offloaded(ranks, cfg, trainable) else ranks.device)
+    full = read_full_state_dict() if ranks.is_main else {}
+    set_model_state_dict(empty, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return empty
+
+
+def copy_of_shards(empty: nn.Module, source: nn.Module, ranks: Ranks, cfg: DistributedConfig) -> nn.Module:
+    """A frozen model with `source`'s weights, built shard by shard (the EMA / fixed teacher)."""
+    shard_model(empty, ranks, cfg, trainable=False)
+    _materialize(empty, torch.device("cpu") if _offloaded(ranks, cfg, False) else ranks.device)
+    with torch.no_grad():
+        for target, param in zip(empty.parameters(), source.parameters(), strict=True):
+            local_tensor(target).copy_(local_tensor(param.detach()))
+    return empty.eval().requires_grad_(False)
+
+
+def set_gradient_sync(model: nn.Module, last_micro_step: bool) -> None:
+    """Reduce-scatter gradients in every micro-step's backward, so each rank only ever holds its
+    float32 gradient shards (skipping it would keep every parameter's unsharded gradient until the
+    last micro-step: ~33 GB per rank at 7B). Under hybrid sharding the replicas' all-reduce of the
+    accumulated shards waits for the last micro-step."""
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(last_micro_step)
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

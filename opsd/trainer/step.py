@@ -70,7 +70,7 @@ def train_step(
     student.train()
     sums = StepSums()
     for index, micro in enumerate(batches):
-        set_gradient_sync(student, index == len(batches) - 1)  # reduce over ranks once, at the end
+        set_gradient_sync(student, index == len(batches) - 1)  # HSDP: all-reduce replicas once, at the end
         scored = score_micro_batch(student, teacher, micro, loss_cfg=loss_cfg, dtype=dtype, pad_id=pad_id)
         is_padding = micro[0] is padding
         backward(scored, loss_cfg, total_tokens, weight=0.0 if is_padding else 1.0)

@@ -8,18 +8,16 @@ gradients visible as such (Adam would scale them up to the learning rate).
 """
 
 import copy
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from opsd.config import DistributedConfig, LossConfig, TeacherConfig
 from opsd.sequences import EncodedPrompt, Example, padding_example
 from opsd.teacher import update_teacher
 from opsd.trainer.step import train_step
+from tests.helpers.spawn import run_two_ranks
 
 TEACHER = TeacherConfig(mode="ema", ema_decay=0.5)
 LOSS = LossConfig(top_k=16, ce_weight=0.5)
@@ -62,12 +60,15 @@ MODES = {"fsdp": DistributedConfig(), "hsdp+checkpointing": DistributedConfig(sh
 
 def _worker(rank, port, model_dir, out_dir):
     from opsd.trainer.distributed import Ranks, build_mesh
+    from opsd.modeling import enable_activation_checkpointing
     from opsd.trainer.fsdp import shard_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     for mode, cfg in MODES.items():
         ranks = Ranks(rank, 2, rank, torch.device("cpu"), build_mesh(cfg, torch.device("cpu"), 2))
         student, teacher = load(model_dir)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(student)
         shard_model(student, ranks, cfg, trainable=True)
         shard_model(teacher, ranks, cfg, trainable=False)
         steps = [make_examples(step, student.config.vocab_size) for step in range(len(SPLITS))]
@@ -87,25 +88,9 @@ def _worker(rank, port, model_dir, out_dir):
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_with_uneven_and_empty_shares_match_one_process(tmp_path, tiny_text_dir):
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tiny_text_dir), str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240
-    for p in procs:  # a rank waiting in a collective the other never joins shows up as a timeout
-        p.join(timeout=max(1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0], "a rank crashed or hung"
+    run_two_ranks(_worker, str(tiny_text_dir), str(tmp_path))
 
     student, teacher = load(tiny_text_dir)
     steps = [make_examples(step, student.config.vocab_size) for step in range(len(SPLITS))]

@@ -1,0 +1,323 @@
+"""GPU check: the CUDA paths of opsd that no CPU test can run, in one script that writes a JSON report.
+
+    python scripts/gpu_check.py [--out gpu_check.json] [--only NAME ...] [--tokens 9216]
+
+It runs with what it finds and says what it skipped and why:
+- `environment`: versions (torch, CUDA, transformers, torchvision, vllm, pydantic), the GPU.
+- `fsdp_nccl_ema_sync` (needs pydantic, for opsd.config): a one-rank NCCL process group, FSDP2
+  (bfloat16 params, float32 reduce) on the tiny Qwen2.5-VL loaded the torchrun way (rank 0 reads,
+  broadcast into meta-initialised shards), an EMA teacher copied from the shards, 2 train steps, and
+  a weight sync into a receiver in bfloat16 (bytes gathered vs float32).
+- `qwen25vl_7b_shaped` (transformers only): a Qwen2.5-VL-7B-shaped random model in bfloat16 built
+  from the shipped config (no download), activation checkpointing, one teacher forward without grad
+  and one student forward + backward at `--tokens` tokens with images; peak memory and time.
+- `vllm_sleep_sync_parity` (needs vllm and pydantic): the colocated engine on the tiny text model
+  with sleep mode: generate, sleep (level 2), weight sync, generate again; logprobs against the
+  trainer's (float32) and the engine's memory while asleep.
+Exit status 0 when nothing that ran failed (skips are not failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN_7B_CONFIG = ROOT / "opsd" / "model_configs" / "Qwen--Qwen2.5-VL-7B-Instruct.json"
+
+
+class Skip(Exception):
+    """A check that cannot run here; the message says why."""
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "unknown")
+    except Exception:  # noqa: BLE001 - a broken install is reported as missing
+        return None
+
+
+def _need(*modules: str) -> None:
+    missing = [m for m in modules if _version(m) is None]
+    if missing:
+        raise Skip(f"not importable here: {', '.join(missing)}")
+
+
+def _need_cuda() -> None:
+    if not torch.cuda.is_available():
+        raise Skip("no CUDA device")
+
+
+def _gb(nbytes: float) -> float:
+    return round(nbytes / 1e9, 3)
+
+
+def check_environment(args) -> dict:
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+        **{name: _version(name) for name in ("transformers", "torchvision", "vllm", "pydantic", "flash_attn")},
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {"gpu": props.name, "gpu_memory_gb": _gb(props.total_memory), "bf16": torch.cuda.is_bf16_supported()}
+    return info
+
+
+def _one_rank_group() -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29591")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+
+
+def check_fsdp_nccl_ema_sync(args) -> dict:
+    _need_cuda()
+    _need("pydantic")
+    from opsd.config import DistributedConfig, LossConfig, ModelConfig, TeacherConfig
+    from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor
+    from opsd.rollout.weight_sync import push_weights
+    from opsd.sequences import EncodedPrompt, Example
+    from opsd.teacher import update_teacher
+    from opsd.tiny_models import build_tiny_qwen25_vl
+    from opsd.trainer.distributed import Ranks, build_mesh
+    from opsd.trainer.fsdp import copy_of_shards, load_sharded
+    from opsd.trainer.step import train_step
+
+    _one_rank_group()
+    device = torch.device("cuda", 0)
+    dist_cfg = DistributedConfig(param_dtype="bfloat16", reduce_dtype="float32", activation_checkpointing=True)
+    ranks = Ranks(0, 1, 0, device, build_mesh(dist_cfg, device, 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_cfg = ModelConfig(path=str(build_tiny_qwen25_vl(Path(tmp) / "tiny")), dtype="bfloat16")
+        processor = load_processor(model_cfg)
+        student = empty_model(model_cfg, processor)
+        enable_activation_checkpointing(student)
+        student = load_sharded(student, lambda: load_model(model_cfg, processor, torch.device("cpu")).state_dict(),
+                               ranks, dist_cfg, trainable=True)
+        teacher = copy_of_shards(empty_model(model_cfg, processor), student, ranks, dist_cfg)
+    teacher_cfg = TeacherConfig(mode="ema", ema_decay=0.5)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    vocab = processor.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    examples = [
+        Example(f"s{i}", EncodedPrompt(torch.randint(10, vocab, (12,), generator=gen).tolist()),
+                EncodedPrompt(torch.randint(10, vocab, (20,), generator=gen).tolist()),
+                torch.randint(10, vocab, (8,), generator=gen).tolist(), [0.0] * 8)
+        for i in range(4)
+    ]
+    before = next(teacher.parameters()).detach().to_local().float().clone()
+    losses = []
+    for _ in range(2):
+        metrics = train_step(student, teacher, examples, optimizer, loss_cfg=LossConfig(top_k=16), micro_batch_size=2,
+                             max_grad_norm=1.0, dtype="bfloat16", pad_id=processor.tokenizer.pad_token_id, ranks=ranks)
+        update_teacher(teacher_cfg, teacher, student)
+        losses.append(metrics["loss"])
+
+    class Receiver:
+        def __init__(self, dtype):
+            self.weight_dtype, self.tensors = dtype, 0
+
+        def begin_weight_update(self):
+            pass
+
+        def receive_weights(self, bucket):
+            self.tensors += len(bucket)
+
+        def end_weight_update(self):
+            pass
+
+    sync16 = push_weights(student, Receiver(torch.bfloat16))
+    sync32 = push_weights(student, Receiver(torch.float32))
+    moved = (next(teacher.parameters()).detach().to_local().float() - before).abs().max().item()
+    ok = all(map(lambda x: x == x and abs(x) < 1e6, losses)) and moved > 0 and sync16.gathered_bytes * 2 == sync32.gathered_bytes
+    return {
+        "ok": ok, "losses": losses, "ema_teacher_moved": moved,
+        "sync_gathered_bytes_bf16": sync16.gathered_bytes, "sync_gathered_bytes_fp32": sync32.gathered_bytes,
+        "sync_seconds_bf16": round(sync16.seconds, 4), "peak_memory_gb": _gb(torch.cuda.max_memory_allocated()),
+    }
+
+
+def _qwen_7b(device) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    raw = json.loads(QWEN_7B_CONFIG.read_text())
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    attn = "flash_attention_2" if _version("flash_attn") else "sdpa"
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+    return model, attn
+
+
+def _qwen_inputs(config, tokens: int, images: int, device) -> dict:
+    """`images` images of 1008 x 1008 pixels (1296 tokens each) and text up to `tokens` ids in all."""
+    side = 1008 // 14  # patches per side
+    merge = config.vision_config.spatial_merge_size
+    per_image = (side // merge) ** 2
+    ids, types = [], []
+    for _ in range(images):
+        ids += [config.vision_start_token_id] + [config.image_token_id] * per_image + [config.vision_end_token_id]
+        types += [0] + [1] * per_image + [0]
+    text = tokens - len(ids)
+    if text <= 0:
+        raise ValueError(f"--tokens {tokens} leaves no room for text after {images} images")
+    ids += torch.randint(1000, 100000, (text,)).tolist()
+    types += [0] * text
+    patch_dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    return {
+        "input_ids": torch.tensor([ids], device=device),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device),
+        "mm_token_type_ids": torch.tensor([types], device=device),
+        "pixel_values": torch.randn(images * side * side, patch_dim, dtype=torch.bfloat16, device=device),
+        "image_grid_thw": torch.tensor([[1, side, side]] * images, device=device),
+    }
+
+
+def check_qwen25vl_7b_shaped(args) -> dict:
+    _need_cuda()
+    device = torch.device("cuda", 0)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model, attn = _qwen_7b(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    build_s = time.perf_counter() - start
+    weights = torch.cuda.memory_allocated()
+    inputs = _qwen_inputs(model.config, args.tokens, args.images, device)
+    completion = min(1024, args.tokens // 4)
+    head = model.get_output_embeddings()
+
+    def completion_logits():
+        hidden = model.model(**inputs, use_cache=False).last_hidden_state
+        return head(hidden[0, -completion - 1 : -1])
+
+    model.eval()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        teacher_logits = completion_logits()
+    torch.cuda.synchronize()
+    teacher_s = time.perf_counter() - t0
+    model.train()
+    t0 = time.perf_counter()
+    student_logits = completion_logits()
+    loss = torch.nn.functional.kl_div(
+        student_logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    loss.backward()
+    torch.cuda.synchronize()
+    student_s = time.perf_counter() - t0
+    grads = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    result = {
+        "ok": bool(torch.isfinite(loss).item()) and grads, "attn_implementation": attn,
+        "parameters": sum(p.numel() for p in model.parameters()), "tokens": inputs["input_ids"].shape[1],
+        "images": args.images, "completion_positions": completion, "build_s": round(build_s, 2),
+        "weights_gb": _gb(weights), "teacher_forward_s": round(teacher_s, 3), "student_forward_backward_s": round(student_s, 3),
+        "peak_memory_gb": _gb(torch.cuda.max_memory_allocated()), "all_parameters_have_grads": grads,
+    }
+    del model, inputs, student_logits, teacher_logits, loss
+    torch.cuda.empty_cache()
+    return result
+
+
+def check_vllm_sleep_sync_parity(args) -> dict:
+    _need_cuda()
+    _need("vllm", "pydantic")
+    from opsd.config import ModelConfig
+    from opsd.modeling import load_model, load_processor
+    from opsd.prompts import Prompt
+    from opsd.rollout.engine import SamplingSettings
+    from opsd.rollout.vllm_engine import VLLMEngine
+    from opsd.rollout.weight_sync import push_weights
+    from opsd.scoring import completion_logits
+    from opsd.sequences import collate, encode_prompt
+    from opsd.tiny_models import build_tiny_text_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(build_tiny_text_model(Path(tmp) / "tiny"))
+        cfg = ModelConfig(path=path)
+        processor = load_processor(cfg)
+        model = load_model(cfg, processor, torch.device("cuda", 0))
+        engine = VLLMEngine(path, dtype="float32", kv_cache_memory_mb=256, gpu_memory_utilization=0.2, sleep_mode=True)
+        prompt = Prompt(processor.apply_chat_template([{"role": "user", "content": "Count the cells."}],
+                                                      add_generation_prompt=True, tokenize=False), [])
+        sampling = SamplingSettings(max_new_tokens=16, seed=1)
+        first = engine.generate([prompt], sampling)[0]
+        awake = torch.cuda.mem_get_info()[0]
+        engine.release_memory()
+        asleep = torch.cuda.mem_get_info()[0]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)  # the trainer's step changed the weights
+        sync = push_weights(model, engine)
+        second = engine.generate([prompt], sampling)[0]
+        batch = collate([encode_prompt(processor, prompt)], [second.token_ids], processor.pad_token_id)
+        with torch.no_grad():
+            logprobs = completion_logits(model, batch).log_softmax(-1).gather(-1, batch.completion_ids[:, None].cuda())[:, 0]
+        mismatch = (logprobs.cpu() - torch.tensor(second.logprobs)).abs().max().item()
+        engine.close()
+    return {
+        "ok": mismatch < 1e-3, "logprob_mismatch_max_after_sync": mismatch, "tokens": len(second.token_ids),
+        "freed_by_sleep_gb": _gb(asleep - awake), "sync_seconds": round(sync.seconds, 4),
+        "first_completion_tokens": len(first.token_ids),
+    }
+
+
+CHECKS = {
+    "environment": check_environment,
+    "fsdp_nccl_ema_sync": check_fsdp_nccl_ema_sync,
+    "qwen25vl_7b_shaped": check_qwen25vl_7b_shaped,
+    "vllm_sleep_sync_parity": check_vllm_sleep_sync_parity,
+}
+
+
+def run_checks(names, args) -> dict:
+    report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "checks": {}}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            result = {"status": "ran", **CHECKS[name](args)}
+            if result.get("ok") is False:
+                result["status"] = "failed"
+        except Skip as why:
+            result = {"status": "skipped", "reason": str(why)}
+        except Exception as err:  # noqa: BLE001 - every failure goes into the report
+            result = {"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-4000:]}
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        report["checks"][name] = result
+        print(f"{name}: {result['status']}" + (f" ({result.get('reason') or result.get('error')})" if result["status"] != "ran" else ""),
+              flush=True)
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_check.json", help="JSON report path")
+    parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run only these checks")
+    parser.add_argument("--tokens", type=int, default=9216, help="qwen25vl_7b_shaped: sequence length")
+    parser.add_argument("--images", type=int, default=4, help="qwen25vl_7b_shaped: 1008x1008 images in the sequence")
+    args = parser.parse_args(argv)
+    report = run_checks(args.only or list(CHECKS), args)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"report: {args.out}")
+    return 1 if any(c["status"] == "failed" for c in report["checks"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""scripts/gpu_check.py: the CUDA checks (tests marked `gpu`, skipped without CUDA), and its report on any machine."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_report_says_what_ran_and_what_was_skipped(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), "--only", "environment", "fsdp_nccl_ema_sync"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = json.loads(out.read_text())["checks"]
+    assert checks["environment"]["status"] == "ran" and checks["environment"]["torch"] == torch.__version__
+    fsdp = checks["fsdp_nccl_ema_sync"]
+    if torch.cuda.is_available():
+        assert fsdp["status"] == "ran", fsdp
+    else:
+        assert fsdp == {"status": "skipped", "reason": "no CUDA device", "seconds": fsdp["seconds"]}
+        assert "fsdp_nccl_ema_sync: skipped (no CUDA device)" in proc.stdout
+
+
+class Args:
+    tokens = 9216
+    images = 4
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fsdp_on_nccl_trains_with_an_ema_teacher_and_syncs_in_bfloat16():
+    result = gpu_check().check_fsdp_nccl_ema_sync(Args())
+    assert result["ok"], result
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_qwen25vl_7b_shaped_model_scores_9k_tokens_with_images():
+    if torch.cuda.get_device_properties(0).total_memory < 60e9:
+        pytest.skip("needs a GPU with 60 GB or more")
+    result = gpu_check().check_qwen25vl_7b_shaped(Args())
+    assert result["ok"], result
+    assert result["parameters"] == 8_292_166_656 and result["tokens"] == 9216
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_vllm_sleeps_takes_the_weights_and_matches_the_trainer():
+    pytest.importorskip("vllm")
+    result = gpu_check().check_vllm_sleep_sync_parity(Args())
+    assert result["ok"], result
