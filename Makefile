@@ -2,7 +2,7 @@
 PYTHON := .venv/bin/python
 ENV_STAMP := .venv/.opsd-env
 
-.PHONY: env demo test test-fast bench
+.PHONY: env demo test test-fast bench learn
 
 $(ENV_STAMP): pyproject.toml scripts/setup_env.py
 	python3 scripts/setup_env.py
@@ -27,3 +27,7 @@ bench: $(ENV_STAMP)
 	$(PYTHON) bench/loss_memory.py
 	$(PYTHON) bench/rollout_throughput.py
 	$(PYTHON) bench/weight_sync.py
+
+# Does the student learn? SmolLM2 on fictional facts: OPSD beside its controls, JSON + PNG in runs/learn.
+learn: $(ENV_STAMP)
+	$(PYTHON) bench/learning.py

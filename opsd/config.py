@@ -85,9 +85,10 @@ class ModelConfig:
 
 @dataclass(config=_STRICT)
 class SyntheticDataConfig:
-    kind: Literal["grid-paths", "arithmetic"] = "grid-paths"
+    kind: Literal["grid-paths", "arithmetic", "facts"] = "grid-paths"
     """`grid-paths`: maze images with visual thoughts (project schema, parquet); `arithmetic`: word
-    problems with worked solutions (text schema, jsonl)."""
+    problems with worked solutions (text schema, jsonl); `facts`: questions about `n_eval` fictional
+    facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl)."""
     n_train: Annotated[int, Field(gt=0)] = 256
     """Rows of the generated `train` split."""
     n_eval: Annotated[int, Field(ge=0)] = 32
@@ -96,9 +97,11 @@ class SyntheticDataConfig:
     """Seed of the generator: the same seed writes the same files."""
     image_size: Annotated[int, Field(ge=28)] = 112
     """grid-paths only."""
+    n_facts: Annotated[int, Field(gt=0)] | None = None
+    """facts only: how many facts the questions are about (default n_eval, one held-out question each)."""
 
 
-SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text"}
+SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text"}
 COLUMN_FIELDS = Literal["id", "question", "answer", "images", "privileged_images", "privileged_text"]
 
 
@@ -183,7 +186,8 @@ class PromptConfig:
     transition: str = (
         "Now, using your own independent reasoning, answer the problem above. Think step by step."
     )
-    """Teacher prompt only: the text after the privileged information, before the completion."""
+    """Teacher prompt only: the text after the privileged information, before the completion;
+    empty = nothing (with `privileged: []` the teacher's prompt is then the student's)."""
     privileged: list[Literal["images", "text", "answer"]] = dataclasses.field(
         default_factory=lambda: ["images"]
     )
@@ -289,9 +293,11 @@ class RolloutConfig:
 
 @dataclass(config=_STRICT)
 class LossConfig:
-    kind: Literal["jsd", "tinker"] = "jsd"
+    kind: Literal["jsd", "tinker", "sft"] = "jsd"
     """Per-token distillation term: `jsd`, the generalized JSD over the teacher's top-k (the OPSD
-    reference); `tinker`, a policy gradient on the sampled token with the reverse KL as advantage."""
+    reference); `tinker`, a policy gradient on the sampled token with the reverse KL as advantage;
+    `sft`, the off-policy baseline: no sampling, no teacher and no distillation term, cross-entropy
+    (`ce_weight`) on each sample's privileged text (worked solution, fact) as the completion."""
     beta: Probability = 0.5
     """0 = KL(teacher || student), 1 = KL(student || teacher), else generalized JSD."""
     temperature: Positive = 1.0
@@ -514,6 +520,10 @@ class Config:
             if lora.vision_target_modules:
                 raise ValueError("model.lora.vision_target_modules: adapters on the vision tower are synced merged "
                                  "only; set rollout.lora_sync=merged")
+        if self.loss.kind == "sft" and self.loss.ce_weight == 0:
+            raise ValueError("loss.kind=sft trains on cross-entropy alone: set loss.ce_weight > 0")
+        if self.loss.kind == "sft" and "text" not in self.prompts.privileged:
+            raise ValueError("loss.kind=sft trains on the privileged text: prompts.privileged must hold text")
         return self
 
 

@@ -15,7 +15,7 @@ import time
 
 from opsd.config import EvalConfig, PromptConfig
 from opsd.data.sample import Sample
-from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.prompts import Prompt, placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.rollout.engine import SamplingSettings
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -54,6 +54,22 @@ def eval_due(step: int, cfg: EvalConfig, max_steps: int) -> bool:
     return cfg.every > 0 and (step % cfg.every == 0 or step == max_steps)
 
 
+def generate_once(prompt_lists: list[list[Prompt]], engine, settings: SamplingSettings) -> list[list[str]]:
+    """Completions of several prompt lists from one engine call (one batch keeps the engine busy),
+    each distinct prompt generated once (without privileged information the teacher's prompt is the
+    student's); the texts come back in the lists' shape."""
+    def key(prompt: Prompt) -> tuple:
+        return (prompt.text, *map(id, prompt.images))
+
+    distinct = {key(p): p for prompts in prompt_lists for p in prompts}
+    keys = list(distinct)
+    # A tensor-parallel engine samples as a group: every rank of it calls, even with nothing to ask.
+    collective = getattr(engine, "generate_is_collective", False)
+    completions = engine.generate(list(distinct.values()), settings) if distinct or collective else []
+    text_of = {keys[c.prompt_index]: c.text for c in completions}
+    return [[text_of[key(p)] for p in prompts] for prompts in prompt_lists]
+
+
 def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig, cfg: EvalConfig, ranks=None) -> dict:
     """`eval/accuracy` and `eval/answered` (share of completions with an extractable answer), and the
     same with the teacher's prompt (`eval/teacher_*`) when configured.
@@ -67,12 +83,9 @@ def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig,
         max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1, banned_token_ids=placeholder_token_ids(processor)
     )
     roles = [("", student_prompt)] + ([("teacher_", teacher_prompt)] if cfg.with_teacher_prompt else [])
+    texts_of_role = generate_once([[render(s, processor, prompt_cfg) for s in mine] for _, render in roles], engine, settings)
     counts = []
-    for _, render in roles:
-        # A tensor-parallel engine samples as a group: every rank of it calls, even with nothing to ask.
-        collective = getattr(engine, "generate_is_collective", False)
-        completions = engine.generate([render(s, processor, prompt_cfg) for s in mine], settings) if mine or collective else []
-        texts = [c.text for c in sorted(completions, key=lambda c: c.prompt_index)]
+    for texts in texts_of_role:
         counts.append(sum(is_correct(t, s.answer, cfg.answer_pattern) for t, s in zip(texts, mine, strict=True)))
         counts.append(sum(extract_answer(t, cfg.answer_pattern) is not None for t in texts))
     if ranks is not None:

@@ -80,7 +80,8 @@ def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
         parts += [f"{cfg.privileged_text_intro}\n{sample.privileged_text}"]
     if "answer" in cfg.privileged and sample.answer:
         parts += [f"Reference answer: {sample.answer}"]
-    parts.append(cfg.transition)
+    if cfg.transition:
+        parts.append(cfg.transition)
     prompt = _render(processor, cfg.system, parts)
     if cfg.noise == "normal":
         prompt.noise_last_images = len(privileged_images)

@@ -110,7 +110,7 @@ def distillation_terms(student_logits, teacher_logits, sampled_ids, engine_logpr
     )
 
 
-DISTILL_METRIC = {"jsd": "jsd", "tinker": "tinker_loss"}
+DISTILL_METRIC = {"jsd": "jsd", "tinker": "tinker_loss", "sft": "distill"}  # sft: always 0
 """The logged name of the per-token mean of `distill`, by loss kind."""
 
 
@@ -156,9 +156,15 @@ def score_micro_batch(
 
     with autocast(device, dtype):
         student_logits = completion_logits(student, student_batch)
-        with torch.no_grad():
-            teacher_logits = completion_logits(teacher, teacher_batch)
-    distill = distillation_terms(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
+        if loss_cfg.kind == "sft":  # no teacher: its scores are the student's, no distillation term
+            teacher_logits = student_logits.detach()
+        else:
+            with torch.no_grad():
+                teacher_logits = completion_logits(teacher, teacher_batch)
+    if loss_cfg.kind == "sft":
+        distill = torch.zeros(len(sampled), device=device)
+    else:
+        distill = distillation_terms(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
     with torch.set_grad_enabled(loss_cfg.ce_weight > 0 and torch.is_grad_enabled()):
         student_logprobs = token_logprobs(student_logits, sampled)
     return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)

@@ -13,6 +13,7 @@ Checkpoints go to `<output_dir>/checkpoint-{step}`; `checkpoint.resume_from=auto
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
@@ -33,7 +34,7 @@ from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
 from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
-from opsd.rollout import RolloutEngine, make_engine, sampling_settings
+from opsd.rollout import Completion, RolloutEngine, make_engine, sampling_settings
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.scoring import UnsupportedModelError, check_scoring_matches_forward
 from opsd.sequences import Example, build_sample_examples, encode_prompt, padding_example, prompt_length_check
@@ -149,12 +150,26 @@ def start_run(cfg: Config, log_file: Path) -> Run:
 
 
 def sample(run: Run, step: int):
-    """This rank's prompts of the step, and completions sampled from the current student weights."""
+    """This rank's prompts of the step, and completions sampled from the current student weights
+    (with `loss.kind=sft`: each sample's privileged text instead, n times)."""
     cfg, per_rank = run.cfg, run.prompts_per_step
     samples = run.stream.take(per_rank, rank=run.ranks.rank, world_size=run.ranks.world_size)
     prompts = [student_prompt(s, run.processor, cfg.prompts) for s in samples]
+    if cfg.loss.kind == "sft":
+        return samples, prompts, reference_completions(samples, run.processor, cfg.rollout.samples_per_prompt)
     sampling = sampling_settings(cfg, step, run.processor, first_prompt=run.ranks.rank * per_rank)
     return samples, prompts, run.engine.generate(prompts, sampling)
+
+
+def reference_completions(samples, processor, n: int) -> list[Completion]:
+    """The supervised baseline's "completions": each sample's privileged text and the end-of-turn
+    token, as the tokenizer writes them; no sampler, so no engine logprobs (NaN)."""
+    tokenizer = getattr(processor, "tokenizer", processor)
+    completions = []
+    for index, s in enumerate(samples):
+        ids = tokenizer(s.privileged_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        completions += [Completion(index, ids, [math.nan] * len(ids), text=s.privileged_text, finish_reason="stop")] * n
+    return completions
 
 
 def build_sequences(run: Run, samples, prompts, completions) -> tuple[list[Example], dict[str, int], int]:

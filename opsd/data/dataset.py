@@ -92,6 +92,10 @@ def prepare(dataset: DatasetConfig) -> None:
         from opsd.data.synthetic import write_dataset
 
         write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, image_size=s.image_size)
+    elif s.kind == "facts":
+        from opsd.data.facts import write_dataset
+
+        write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, n_facts=s.n_facts)
     else:
         from opsd.data.arithmetic import write_dataset
 

@@ -31,8 +31,9 @@ class StepSums:
         mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
         self.distill += scored.distill.detach().sum().item()
         self.ce -= scored.student_logprobs.detach().sum().item()
-        self.mismatch += mismatch.sum().item()
-        self.mismatch_max = max(self.mismatch_max, mismatch.max().item())
+        if not mismatch.isnan().any():  # NaN: no sampler produced these tokens (loss.kind=sft)
+            self.mismatch += mismatch.sum().item()
+            self.mismatch_max = max(self.mismatch_max, mismatch.max().item())
         self.guardrails.add(scored.guardrails(loss_cfg))
 
 

@@ -65,9 +65,29 @@ def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, st
         "stage_time_s": stage_time,
         "completion_tokens": tokens,
         "tokens_per_s": tokens / wall_time_s if wall_time_s > 0 else math.nan,
-        "metrics": {key: fl for key in FIRST_LAST_KEYS if (fl := _first_last(records, key)) is not None},
+        "metrics": (metrics := {key: fl for key in FIRST_LAST_KEYS if (fl := _first_last(records, key)) is not None}),
+        "showed": what_it_showed(metrics),
         "files": files,
     }
+
+
+def what_it_showed(metrics: dict) -> str:
+    """One line on what moved: the divergence from the first to the last step, and each accuracy
+    from the first evaluation to the last (an accuracy that stayed at 0 is said to, not hidden)."""
+    parts = []
+    for key in ("jsd", "tinker_loss"):
+        fl = metrics.get(key)
+        if fl and fl["first_step"] != fl["last_step"] and fl["first"]:
+            change = (fl["last"] - fl["first"]) / abs(fl["first"])
+            parts.append(f"the divergence ({key}) {'fell' if change < 0 else 'rose'} {abs(change):.0%} from step "
+                         f"{fl['first_step']} to {fl['last_step']}")
+    for key, name in (("eval/accuracy", "student accuracy"), ("eval/teacher_accuracy", "teacher-prompt accuracy")):
+        fl = metrics.get(key)
+        if fl and fl["first_step"] != fl["last_step"]:
+            delta = 100 * (fl["last"] - fl["first"])
+            moved = "did not move" if delta == 0 else f"moved {delta:+.1f} points"
+            parts.append(f"{name} {moved} ({fl['first']:.3g} -> {fl['last']:.3g})")
+    return "; ".join(parts) or "nothing to compare (fewer than two steps or evaluations)"
 
 
 def format_summary(summary: dict) -> str:
@@ -77,6 +97,8 @@ def format_summary(summary: dict) -> str:
         f"skipped in this process) in {summary['wall_time_s']:.1f} s: {stages}",
         f"  {summary['completion_tokens']} completion tokens, {summary['tokens_per_s']:.1f} tokens/s",
     ]
+    if summary.get("showed"):
+        lines.append(f"  showed: {summary['showed']}")
     for key, fl in summary["metrics"].items():
         lines.append(f"  {key}: {fl['first']:.4g} (step {fl['first_step']}) -> {fl['last']:.4g} (step {fl['last_step']})")
     lines += [f"  {name}: {path}" for name, path in summary["files"].items()]

@@ -73,6 +73,21 @@ def test_evaluate_reports_student_and_teacher_accuracy(tiny_text_dir):
     assert metrics["eval/accuracy"] == 0.25 and metrics["eval/teacher_accuracy"] == 1.0
     assert metrics["eval/answered"] == 1.0 and metrics["eval/num_samples"] == 4
     assert all(s.temperature == 0 and s.max_new_tokens == 7 for s in engine.calls)
+    assert len(engine.calls) == 1  # student and teacher prompts in one engine call
+
+
+def test_without_privileged_information_each_prompt_is_generated_once(tiny_text_dir):
+    from opsd.modeling import load_processor
+
+    processor = load_processor(ModelConfig(path=str(tiny_text_dir)))
+    samples = [Sample(id=str(i), question=f"q{i}", images=[], privileged_images=[], answer="4") for i in range(3)]
+    prompted = []
+    engine = ScriptedEngine()
+    engine.generate = lambda prompts, sampling: prompted.extend(prompts) or ScriptedEngine.generate(engine, prompts, sampling)
+    cfg = EvalConfig(every=1, max_new_tokens=7, with_teacher_prompt=True)
+    metrics = evaluate(engine, samples, processor, PromptConfig(privileged=[], transition=""), cfg)
+    assert len(prompted) == 3 and len({p.text for p in prompted}) == 3  # the teacher's prompt is the student's
+    assert metrics["eval/accuracy"] == metrics["eval/teacher_accuracy"] == 1 / 3
 
 
 def test_temperature_zero_is_greedy_in_the_hf_engine(tiny_text_dir):

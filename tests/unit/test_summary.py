@@ -40,3 +40,18 @@ def test_resumed_run_times_its_own_steps_and_keeps_the_start(tmp_path):
     assert summary["trained_steps"] == 2 and summary["completion_tokens"] == 20
     assert summary["stage_time_s"]["train"] == 2.0
     assert summary["metrics"]["loss"]["first_step"] == 1 and summary["metrics"]["loss"]["last"] == pytest.approx(0.25)
+
+
+def test_the_summary_says_what_moved_and_what_did_not():
+    from opsd.trainer.summary import what_it_showed
+
+    metrics = {
+        "jsd": {"first": 0.4, "first_step": 1, "last": 0.1, "last_step": 20},
+        "eval/accuracy": {"first": 0.0, "first_step": 0, "last": 0.0, "last_step": 20},
+        "eval/teacher_accuracy": {"first": 0.25, "first_step": 0, "last": 0.5, "last_step": 20},
+    }
+    line = what_it_showed(metrics)
+    assert "divergence (jsd) fell 75% from step 1 to 20" in line
+    assert "student accuracy did not move (0 -> 0)" in line
+    assert "teacher-prompt accuracy moved +25.0 points" in line
+    assert "nothing to compare" in what_it_showed({})
