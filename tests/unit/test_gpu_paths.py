@@ -39,6 +39,7 @@ def sleeping_engine() -> VLLMEngine:
     engine = object.__new__(VLLMEngine)  # no real vLLM: only the sleep bookkeeping is under test
     engine.llm, engine.sleep_mode, engine._asleep, engine._weights_discarded = FakeLLM(), True, set(), False
     engine.tensor_parallel_size = 1
+    engine._adapter_root, engine._lora_request = None, None
     return engine
 
 
@@ -59,6 +60,14 @@ def test_engine_sleeps_at_level_2_and_needs_a_weight_update_before_sampling():
     engine.release_memory()
     engine.release_memory()  # asleep already: one sleep
     assert engine.llm.calls.count(("sleep", 2)) == 2
+
+
+def test_engine_with_adapters_sleeps_at_level_1_and_keeps_its_base_weights(tmp_path):
+    engine = sleeping_engine()
+    engine._adapter_root = tmp_path  # adapter sync: the base weights are never pushed again
+    engine.release_memory()
+    assert engine.llm.calls == [("sleep", 1)]
+    assert not engine._weights_discarded
 
 
 class GroupEngine:
@@ -90,7 +99,8 @@ def test_a_rank_without_eval_samples_still_joins_its_tensor_parallel_engine(tiny
     cfg = EvalConfig(every=1, with_teacher_prompt=True)
     engine = GroupEngine()
     metrics = evaluate(engine, samples, processor, PromptConfig(privileged=["answer"]), cfg, Rank(1, 2))
-    assert engine.calls == 2  # student and teacher prompts: the rank took part both times
+    # An evaluation is one engine call (student and teacher prompts together): the rank took part.
+    assert engine.calls == 1
     assert metrics["eval/num_samples"] == 1
 
 
