@@ -265,7 +265,8 @@ class RolloutConfig:
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.3
     """Share of GPU memory vLLM may take (weights, activations, KV cache); the trainer needs the rest."""
     enforce_eager: bool = False
-    """vLLM without CUDA graphs or compilation: slower decoding, faster start (the CPU configs set it)."""
+    """vLLM without CUDA graphs or compilation: slower decoding, faster start. Always on without CUDA
+    (vLLM's CPU build fails to compile)."""
     sync_bucket_mb: Annotated[float, Field(gt=0)] = 256
     """Weight sync streams full tensors to the engine in buckets of at most this size."""
     server: ServerEngineConfig = dataclasses.field(default_factory=ServerEngineConfig)

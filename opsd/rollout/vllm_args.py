@@ -43,7 +43,8 @@ def engine_args(
     }
     if kv_cache_memory_mb:
         args["kv_cache_memory_bytes"] = kv_cache_memory_mb << 20
-    if enforce_eager:
+    # vLLM 0.32's CPU build crashes in compilation ("aot_compile is not supported"): eager there always.
+    if enforce_eager or not torch.cuda.is_available():
         args["enforce_eager"] = True
     if sleep_mode and torch.cuda.is_available():  # vLLM refuses sleep mode on CPU
         args["enable_sleep_mode"] = True

@@ -1,0 +1,19 @@
+"""The one mapping from opsd's settings to vLLM's engine arguments."""
+
+import pytest
+import torch
+
+from opsd.rollout.vllm_args import CPU_MAX_BATCHED_TOKENS, engine_args
+
+COMMON = dict(dtype="float32", max_model_len=512, max_images_per_prompt=2, kv_cache_memory_mb=64,
+              gpu_memory_utilization=0.3, seed=3, sleep_mode=True, trust_remote_code=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults")
+def test_cpu_engines_run_eager_bounded_and_without_sleep_mode_whatever_the_config_says():
+    args = engine_args("m", enforce_eager=False, **COMMON)
+    assert args["enforce_eager"] is True  # vLLM's CPU build fails to compile
+    assert "enable_sleep_mode" not in args  # refused on CPU
+    assert args["max_num_batched_tokens"] == CPU_MAX_BATCHED_TOKENS
+    assert args["kv_cache_memory_bytes"] == 64 << 20
+    assert args["limit_mm_per_prompt"] == {"image": 2} and args["seed"] == 3
