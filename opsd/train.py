@@ -270,6 +270,10 @@ def load_lora_student_and_teacher(cfg: Config, processor, ranks: Ranks):
     """A LoRA student (adapter teachers are views of it). Under torchrun every rank reads the full
     weights on the CPU, adds the adapter, then keeps its shards: the rank-0-only loading of full
     training does not know the adapter's parameters yet."""
+    if ranks.enabled and cfg.model.lora.base_dtype != "float32":
+        # FSDP2 shards a unit's parameters in one dtype: a bfloat16 base beside float32 adapters does not shard.
+        raise ConfigError("model.lora.base_dtype=bfloat16 runs in one process (no torchrun) for now: "
+                          "FSDP2 cannot shard a bfloat16 base beside float32 adapters")
     student = load_model(cfg.model, processor, torch.device("cpu") if ranks.enabled else ranks.device)
     check_scoring_matches_forward(student)  # a model whose logits scoring would not reproduce stops here
     if cfg.distributed.activation_checkpointing:
