@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from opsd.config import Config, ModelConfig
+from opsd.config import Config, LoraConfig, ModelConfig
 
 GB = 1e9
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
@@ -78,6 +79,8 @@ class ModelShape:
     vocab: int
     vision: dict | None
     """Vision tower: layers, hidden, intermediate, patch, merge, image_size (None = text model)."""
+    lora_parameters: int = 0
+    """The adapter's parameters when `model.lora` is set (rank x (in + out) per adapted layer)."""
 
 
 def meta_model(config, multimodal: bool) -> torch.nn.Module:
@@ -88,7 +91,7 @@ def meta_model(config, multimodal: bool) -> torch.nn.Module:
         return model_class(multimodal).from_config(config, dtype=torch.float32)
 
 
-def model_shape(config) -> ModelShape:
+def model_shape(config, lora: LoraConfig | None = None) -> ModelShape:
     from opsd.trainer.fsdp import transformer_blocks
 
     vision_cfg = getattr(config, "vision_config", None)
@@ -118,6 +121,19 @@ def model_shape(config) -> ModelShape:
         kv_dim=2 * (getattr(text, "num_key_value_heads", None) or heads) * head_dim,
         vocab=text.vocab_size,
         vision=vision,
+        lora_parameters=lora_parameters(model, lora) if lora else 0,
+    )
+
+
+def lora_parameters(model: torch.nn.Module, lora: LoraConfig) -> int:
+    """What `add_lora` would add: rank x (in + out) for every linear layer its target pattern names."""
+    from opsd.lora import target_pattern
+
+    pattern = re.compile(target_pattern(model, lora))
+    return sum(
+        lora.rank * (module.in_features + module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and pattern.fullmatch(name)
     )
 
 
@@ -179,7 +195,7 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None, shape: Mo
     """The per-rank plan of `cfg` on `world_size` ranks of `device_gb` each (None = unknown)."""
     if shape is None:
         config, config_source = hf_config(cfg.model)
-        shape = model_shape(config)
+        shape = model_shape(config, cfg.model.lora)
     dist, train, rollout = cfg.distributed, cfg.train, cfg.rollout
     shard = (dist.shard_size or world_size) if world_size > 1 else 1
     P = shape.parameters
@@ -192,16 +208,32 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None, shape: Mo
         return nbytes / GB
 
     per = f"/ {shard} ranks" if shard > 1 else "(unsharded)"
-    static = add("student weights", 4 * P / shard, f"float32 master {per}")
-    static += add("gradients", 4 * P / shard, f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else ""))
-    static += add("optimizer", 8 * P / shard, f"AdamW: 2 float32 states {per}")
-    separate_teacher = cfg.teacher.mode != "self"
-    if separate_teacher and dist.cpu_offload_teacher and world_size > 1:
-        static += add(f"teacher ({cfg.teacher.mode})", 0, "shards offloaded to host memory")
-    elif separate_teacher:
-        static += add(f"teacher ({cfg.teacher.mode})", 4 * P / shard, f"float32 {per}")
-    else:
-        static += add("teacher (self)", 0, "the student's own weights")
+    lora = cfg.model.lora
+    if lora:  # a frozen base: gradients and AdamW states for the adapter only; EMA = a second adapter
+        A = shape.lora_parameters
+        static = add("student weights", (DTYPE_BYTES[lora.base_dtype] * P + 4 * A) / shard,
+                     f"frozen {lora.base_dtype} base + float32 adapter ({A / 1e6:.0f}M) {per}")
+        static += add("gradients", 4 * A / shard, f"float32, adapter only {per}")
+        static += add("optimizer", 8 * A / shard, f"AdamW: 2 float32 states, adapter only {per}")
+        if cfg.teacher.mode == "ema":
+            static += add("teacher (ema)", 4 * A / shard, "a second adapter")
+        elif cfg.teacher.mode in ("self", "base"):
+            static += add(f"teacher ({cfg.teacher.mode})", 0, "the student's own weights" +
+                          (", adapter switched off" if cfg.teacher.mode == "base" else ""))
+        else:
+            static += add(f"teacher ({cfg.teacher.mode})", 4 * P / shard, f"float32 {per}")
+        separate_teacher = cfg.teacher.mode == "fixed"
+    else:  # without LoRA, `base` is `fixed`: a copy of the initial weights
+        separate_teacher = cfg.teacher.mode != "self"
+        static = add("student weights", 4 * P / shard, f"float32 master {per}")
+        static += add("gradients", 4 * P / shard, f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else ""))
+        static += add("optimizer", 8 * P / shard, f"AdamW: 2 float32 states {per}")
+        if separate_teacher and dist.cpu_offload_teacher and world_size > 1:
+            static += add(f"teacher ({cfg.teacher.mode})", 0, "shards offloaded to host memory")
+        elif separate_teacher:
+            static += add(f"teacher ({cfg.teacher.mode})", 4 * P / shard, f"float32 {per}")
+        else:
+            static += add(f"teacher ({cfg.teacher.mode})", 0, "the student's own weights")
     static += add("CUDA context, NCCL, slack", CONTEXT_GB * GB, "estimate")
 
     gathered = 0.0
@@ -276,7 +308,9 @@ def _engine(cfg: Config, shape: ModelShape, world_size: int, device_gb: float | 
         awake = add("engine, awake", weights, "weights only: the KV cache share needs the device memory")
     asleep = awake
     if rollout.sleep_mode:
-        asleep = add("engine, asleep", ENGINE_ASLEEP_GB * GB, "sleep level 2 while training (weights and KV cache released)")
+        adapters = cfg.model.lora and rollout.lora_sync == "adapter"  # the base is never re-synced: kept on the host
+        level = "1 (weights to host memory)" if adapters else "2 (weights released)"
+        asleep = add("engine, asleep", ENGINE_ASLEEP_GB * GB, f"sleep level {level} and KV cache released while training")
     return awake, asleep
 
 

@@ -90,3 +90,20 @@ def test_the_qwen3_text_recipe_fits_one_gpu_of_80_gb():
     plan = plan_memory(load_config("configs/text_opsd_qwen3_1p7b.yaml"), world_size=1, device_gb=80)
     assert plan.shape.parameters == 1_720_574_976  # Qwen3-1.7B, tied embeddings
     assert plan.fits, plan.describe()
+
+
+def test_lora_plan_counts_the_adapter_not_the_base_for_gradients_optimizer_and_teacher():
+    cfg = load_config("configs/visual_opsd_qwen25vl_7b_lora.yaml")
+    plan = plan_memory(cfg, world_size=1, device_gb=80)
+    got = {item: gb for item, gb, _ in plan.rows}
+    P, A = plan.shape.parameters, plan.shape.lora_parameters
+    # rank 64 on q/k/v/o/gate/up/down of 28 decoder layers (hidden 3584, kv 512, MLP 18944); no vision layer
+    per_layer = 64 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))
+    assert A == 28 * per_layer
+    assert got["student weights"] == pytest.approx((2 * P + 4 * A) / GB)
+    assert got["gradients"] == pytest.approx(4 * A / GB)
+    assert got["optimizer"] == pytest.approx(8 * A / GB)
+    assert got["teacher (ema)"] == pytest.approx(4 * A / GB)
+    assert plan.fits  # the recipe's promise: one 80 GB GPU
+    base = plan_memory(load_config("configs/visual_opsd_qwen25vl_7b_lora.yaml", ["teacher.mode=base"]), 1, 80)
+    assert {item: gb for item, gb, _ in base.rows}["teacher (base)"] == 0
