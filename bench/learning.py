@@ -10,7 +10,7 @@ phrasings, with the student's prompt and with the teacher's. Runs (`--runs`, all
     noise           the fact replaced by an irrelevant true sentence (columns.privileged_text=irrelevant)
     sft             supervised baseline: cross-entropy on the fact sentences (loss.kind=sft), same steps
 
-    .venv/bin/python bench/learning.py [--runs opsd no_privileged sft] [--out runs/learn] [key=value ...]
+    .venv/bin/python bench/learning.py [--runs opsd no_privileged noise sft] [--out runs/learn] [key=value ...]
 
 The model is converted first (timed apart). Prints progress to stderr and, last, one JSON object to
 stdout: {"runs": {name: {"eval": [{"step", "student_accuracy", "teacher_accuracy", ...}], ...}},
@@ -36,7 +36,9 @@ CONTROLS = {
     "opsd": [],
     "no_privileged": ["prompts.privileged=[]"],
     "noise": ["data.datasets.0.columns.privileged_text=irrelevant"],
-    "sft": ["loss.kind=sft", "loss.ce_weight=1", "loss.jsd_weight=0"],
+    # One copy of each reference instead of samples_per_prompt identical ones: the same per-token
+    # mean loss and gradient, a quarter of the forward.
+    "sft": ["loss.kind=sft", "loss.ce_weight=1", "loss.jsd_weight=0", "rollout.samples_per_prompt=1"],
 }
 STAGES = ("rollout", "train", "weight_sync")
 
@@ -181,7 +183,7 @@ def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=["opsd", "no_privileged", "sft"])
+    parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=list(CONTROLS))
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--out", default="runs/learn", help="run directories, report.json and the PNG go here")
     parser.add_argument("--keep", action="store_true",

@@ -5,7 +5,9 @@ In one process, on configs/learn_facts_smollm2.yaml (or --config), with the reci
 - the held-out evaluation as it was (student prompts, then teacher prompts: two engine calls) and
   as it is (one call, each distinct prompt once), with privileged information and without it;
 - `--steps` training steps stage by stage: rollout, sequences, scoring + backward + optimizer step
-  (with the teacher update), weight sync; wall and process CPU seconds;
+  (with the teacher update), weight sync; wall and process CPU seconds. Scoring runs twice on each
+  step's sequences, as it was (every sequence its own prompt forward) and as it is (the samples of one
+  prompt share its forward, `train.share_prompt_forward`), so the two are timed on the same tokens;
 - the threads torch uses in the trainer once the engine has started.
 
     .venv/bin/python bench/step_profile.py [--steps 3] [key=value ...]
@@ -72,10 +74,12 @@ def profile(cfg, log_file, steps: int):
             samples, prompts, completions = sample(run, step)
         with timed(stages, "sequences"):
             examples, _, step_tokens = build_sequences(run, samples, prompts, completions)
-        with timed(stages, "score_backward_optimizer"):
-            update_student(run, examples, step_tokens, None, samples[0])
-            run.scheduler.step()
-            update_teacher(cfg.teacher, run.teacher, run.student)
+        for share, stage in ((False, "score_backward_optimizer_unshared"), (True, "score_backward_optimizer")):
+            run.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, share_prompt_forward=share))
+            with timed(stages, stage):
+                update_student(run, examples, step_tokens, None, samples[0])
+                run.scheduler.step()
+                update_teacher(cfg.teacher, run.teacher, run.student)
         with timed(stages, "weight_sync"):
             push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
     end_run(run)
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file:
             evaluation, stages, startup_s, threads, eval_items = profile(cfg, log_file, args.steps)
     evaluation, stages = medians(evaluation), medians(stages)
+    unshared = stages.pop("score_backward_optimizer_unshared")
+    before = {**stages, "score_backward_optimizer": unshared}  # the step as it was: no prompt sharing
     report = {
         "config": args.config,
         "overrides": args.overrides,
@@ -111,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "step_median": stages,
         "step_median_wall_s": sum(s["wall_s"] for s in stages.values()),
+        "step_median_before": before,
+        "step_median_wall_s_before": sum(s["wall_s"] for s in before.values()),
+        "scoring_speedup_from_prompt_sharing": {
+            m: unshared[m] / stages["score_backward_optimizer"][m] for m in ("wall_s", "cpu_s")
+        },
         "sequences_per_step": cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps * cfg.rollout.samples_per_prompt,
     }
     print(json.dumps(report))

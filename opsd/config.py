@@ -361,6 +361,9 @@ class TrainConfig:
     """Micro-steps per optimizer step: a step samples `prompts_per_micro_step * grad_accum_steps` prompts."""
     max_forward_tokens: Annotated[int, Field(gt=0)] = 10240
     """Longest sequence fed to a forward; the completion is truncated so the teacher's fits."""
+    share_prompt_forward: bool = True
+    """Score the samples of one text prompt in one packed row, the prompt computed once: same
+    scores, fewer tokens when `rollout.samples_per_prompt > 1` (text models, sdpa or eager attention)."""
     seed: int = 0
     """Seeds the data order, the sampling (per step and prompt) and the global RNGs."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -36,10 +36,21 @@ def completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
 def forward_completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch.inputs.items()}
+    mask = inputs["attention_mask"]
+    if mask.dim() == 4 and model.config._attn_implementation == "eager":
+        # Packed shared prompts: eager attention adds its mask to the scores; sdpa takes booleans.
+        inputs["attention_mask"] = torch.zeros(mask.shape, device=device).masked_fill_(~mask, torch.finfo(torch.float32).min)
     # No KV cache: nothing is generated here, and the teacher's no-grad forward would otherwise keep one.
     hidden = model.model(**inputs, use_cache=False).last_hidden_state
-    logits = model.get_output_embeddings()(hidden[batch.predicts_completion.to(device)])
+    logits = model.get_output_embeddings()(hidden.flatten(0, 1)[batch.completion_positions.to(device)])
     return postprocess_logits(model.config, logits)
+
+
+def packs_shared_prompts(model) -> bool:
+    """Whether `model` can score packed rows of shared prompts (`collate(share_prompts=True)`): a
+    text model whose attention takes a 4-D mask (not flash-attention, which takes none)."""
+    config = model.config
+    return getattr(config, "vision_config", None) is None and config._attn_implementation in ("sdpa", "eager")
 
 
 def postprocess_logits(config, logits: torch.Tensor) -> torch.Tensor:
@@ -72,7 +83,7 @@ def check_scoring_matches_forward(model, num_tokens: int = 6, atol: float = 1e-4
     ids = torch.arange(1, num_tokens + 1, device=device).remainder(vocab).unsqueeze(0)
     batch = ForwardBatch(
         inputs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-        predicts_completion=torch.ones_like(ids, dtype=torch.bool),
+        completion_positions=torch.arange(num_tokens),
         completion_ids=ids[0],
     )
     was_training = model.training
@@ -144,13 +155,19 @@ class ScoredBatch:
 
 def score_micro_batch(
     student: torch.nn.Module, teacher: torch.nn.Module, micro: list[Example], *,
-    loss_cfg: LossConfig, dtype: str, pad_id: int,
+    loss_cfg: LossConfig, dtype: str, pad_id: int, share_prompts: bool = True,
 ) -> ScoredBatch:
-    """Student forward (with grad when enabled), teacher forward without, per-token terms."""
+    """Student forward (with grad when enabled), teacher forward without, per-token terms.
+
+    `share_prompts`: the samples of one prompt share one forward of it (`collate`) where the model
+    allows it (`packs_shared_prompts`); the scores are the same either way.
+    """
     device = next(student.parameters()).device
     completions = [e.completion_ids for e in micro]
-    student_batch = collate([e.student for e in micro], completions, pad_id)
-    teacher_batch = collate([e.teacher for e in micro], completions, pad_id)
+    student_batch = collate([e.student for e in micro], completions, pad_id,
+                            share_prompts=share_prompts and packs_shared_prompts(student))
+    teacher_batch = collate([e.teacher for e in micro], completions, pad_id,
+                            share_prompts=share_prompts and packs_shared_prompts(teacher))
     sampled = student_batch.completion_ids.to(device)
     engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
 

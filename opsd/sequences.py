@@ -62,11 +62,13 @@ def noise_last_images(processor, pixel_values: torch.Tensor, prompt: Prompt) -> 
 @dataclass
 class ForwardBatch:
     inputs: dict[str, torch.Tensor]
-    """Model inputs: right-padded `input_ids`, `attention_mask`, and vision tensors."""
-    predicts_completion: torch.Tensor
-    """[B, L] bool: positions whose next-token logits predict a completion token."""
+    """Model inputs: right-padded `input_ids`, `attention_mask` (and `position_ids` for packed rows),
+    and vision tensors."""
+    completion_positions: torch.Tensor
+    """[N] flat indices into the [B * L] positions: the one whose next-token logits predict each
+    completion token (a packed prompt's last position predicts the first token of every completion)."""
     completion_ids: torch.Tensor
-    """[N] the completion tokens in row-major order of `predicts_completion`."""
+    """[N] the completion tokens, in the order of the examples given to `collate`."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,17 +84,24 @@ def _pad_images(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int) -> ForwardBatch:
-    """Right-pad `prompt + completion` sequences into one batch."""
+def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, *, share_prompts: bool = False) -> ForwardBatch:
+    """Right-pad `prompt + completion` sequences into one batch.
+
+    `share_prompts`: completions of one text prompt (the same `EncodedPrompt` object, as
+    `build_examples` pairs a prompt's samples) go into one packed row, the prompt once, each
+    completion attending to the prompt and to itself (`collate_shared_prompts`).
+    """
+    if share_prompts and shares_a_prompt(prompts):
+        return collate_shared_prompts(prompts, completions, pad_id)
     rows = [p.input_ids + c for p, c in zip(prompts, completions)]
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    predicts = torch.zeros((len(rows), width), dtype=torch.bool)
+    positions = []
     for i, (row, p, c) in enumerate(zip(rows, prompts, completions)):
         input_ids[i, : len(row)] = torch.tensor(row)
         attention_mask[i, : len(row)] = 1
-        predicts[i, len(p.input_ids) - 1 : len(row) - 1] = True
+        positions.extend(range(i * width + len(p.input_ids) - 1, i * width + len(row) - 1))
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     for key in dict.fromkeys(k for p in prompts for k in p.per_token):
         # Prompt values, then zeros (text) for the completion, the padding and rows without images.
@@ -112,8 +121,60 @@ def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: 
             else:
                 # Flat patch tensors (Qwen-VL style) concatenate along dim 0; text rows add none.
                 inputs[key] = torch.cat([v[key] for v in with_images])
-    completion_ids = torch.tensor([t for c in completions for t in c], dtype=torch.long)
-    return ForwardBatch(inputs, predicts, completion_ids)
+    return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
+
+
+def shares_a_prompt(prompts: list[EncodedPrompt]) -> bool:
+    """Whether packing applies and saves anything: text prompts only, one holding several completions."""
+    if any(p.vision or p.per_token for p in prompts):
+        return False  # vision inputs are batched per row; their models compute their own positions
+    return len({id(p) for p in prompts}) < len(prompts)
+
+
+def collate_shared_prompts(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int) -> ForwardBatch:
+    """One row per distinct prompt: `prompt + completion_1 + completion_2 + ...`, each completion
+    at the positions it would have after the prompt alone and attending only to the prompt and to
+    itself (a [B, 1, L, L] boolean mask), so its logits are those of its own `prompt + completion`.
+
+    The prompt is computed once instead of once per sample: the saving is the prompt's share of
+    the tokens times (samples per prompt - 1). Text prompts only (see `shares_a_prompt`).
+    """
+    groups: dict[int, list[int]] = {}  # id(prompt) -> its examples, rows in order of first appearance
+    for i, p in enumerate(prompts):
+        groups.setdefault(id(p), []).append(i)
+    rows = list(groups.values())
+    lengths = [len(prompts[g[0]].input_ids) + sum(len(completions[i]) for i in g) for g in rows]
+    width = max(lengths)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    segment = torch.full((len(rows), width), -1, dtype=torch.long)  # 0 prompt, k completion k, -1 padding
+    predicting = [0] * len(prompts)  # per example: its first predicting position (flat) ...
+    for r, group in enumerate(rows):
+        prompt = prompts[group[0]].input_ids
+        input_ids[r, : len(prompt)] = torch.tensor(prompt)
+        position_ids[r, : len(prompt)] = torch.arange(len(prompt))
+        segment[r, : len(prompt)] = 0
+        start = len(prompt)
+        for k, i in enumerate(group, start=1):
+            c = completions[i]
+            input_ids[r, start : start + len(c)] = torch.tensor(c, dtype=torch.long)
+            position_ids[r, start : start + len(c)] = torch.arange(len(prompt), len(prompt) + len(c))
+            segment[r, start : start + len(c)] = k
+            predicting[i] = (r * width + len(prompt) - 1, r * width + start)  # ... and where the rest begin
+            start += len(c)
+    positions = []
+    for (prompt_last, rest), c in zip(predicting, completions):
+        positions.extend([prompt_last, *range(rest, rest + len(c) - 1)])
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    allowed = causal & (query != -1) & (key != -1) & ((key == 0) | (key == query))
+    allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no all-masked row (NaN)
+    inputs = {"input_ids": input_ids, "attention_mask": allowed[:, None], "position_ids": position_ids}
+    return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
+
+
+def _flat(completions: list[list[int]]) -> torch.Tensor:
+    return torch.tensor([t for c in completions for t in c], dtype=torch.long)
 
 
 def prompt_length_check(processor, prompt_cfg, max_forward_tokens: int):

@@ -22,6 +22,7 @@ class AdapterTeacher:
 
     def __init__(self, student: nn.Module, adapter: str | None):
         self.student, self.adapter = student, adapter
+        self.config = student.config
 
     def opsd_completion_logits(self, batch) -> torch.Tensor:
         with lora.active_adapter(self.student, self.adapter):

@@ -125,6 +125,7 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     with torch.no_grad():
         for start in range(0, len(examples), micro_batch_size):
             micro = examples[start : start + micro_batch_size]
-            scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id)
+            scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id,
+                                       share_prompts=cfg.train.share_prompt_forward)
             recorder.collect(micro, scored)
     return recorder.write(Path(out_dir), step, examples, samples, processor, cfg.prompts), counts

@@ -45,5 +45,8 @@ def test_two_step_runs_report_every_run_side_by_side(tmp_path):
             "under_30_minutes"} <= set(report["acceptance"])
     speed = report["speed"]
     assert speed["eval_items"] == 8 and set(speed["step_median"]) == {"rollout", "sequences", "score_backward_optimizer", "weight_sync"}
+    # The step as it was (no prompt sharing) beside the step as it is, on the same sequences.
+    assert set(speed["step_median_before"]) == set(speed["step_median"])
+    assert speed["scoring_speedup_from_prompt_sharing"]["cpu_s"] > 0
     assert speed["evaluation"]["no_privileged_one_call"]["cpu_s"] > 0
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -27,10 +27,9 @@ def randomise_adapter(model, adapter=lora.STUDENT_ADAPTER, seed=0):
 
 def batch(n=2, length=9, vocab=200):
     ids = torch.randint(3, vocab, (n, length), generator=torch.Generator().manual_seed(1))
-    predicts = torch.zeros(n, length, dtype=torch.bool)
-    predicts[:, 4:-1] = True
+    positions = torch.arange(length).expand(n, length)[:, 4:-1] + length * torch.arange(n)[:, None]
     return ForwardBatch(inputs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                        predicts_completion=predicts, completion_ids=ids[:, 5:].reshape(-1))
+                        completion_positions=positions.reshape(-1), completion_ids=ids[:, 5:].reshape(-1))
 
 
 def test_only_the_language_models_adapter_trains(tiny_vlm_dir):

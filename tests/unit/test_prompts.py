@@ -93,7 +93,7 @@ def test_completion_ids_align_at_the_end_of_both_sequences(processor, sample):
         ids = batch.inputs["input_ids"][0].tolist()
         assert ids[-len(completion):] == completion and ids[: len(prompt.input_ids)] == prompt.input_ids
         # The positions marked as predicting the completion are exactly the ones before each token.
-        predicted = [ids[i + 1] for i in batch.predicts_completion[0].nonzero().flatten().tolist()]
+        predicted = [ids[i + 1] for i in batch.completion_positions.tolist()]
         assert predicted == completion
     assert s_batch.completion_ids.tolist() == t_batch.completion_ids.tolist() == completion
     image_token = tokenizer.convert_tokens_to_ids("<image>")

@@ -1,6 +1,8 @@
 """Scoring: completion-position logits (as the model's own forward computes them, or the model is
 refused by name), and both roles' per-token terms of a micro-batch."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,7 +31,35 @@ def test_completion_logits_are_the_full_forward_at_the_completion_positions(mode
         full = model(**batch.inputs).logits
         ours = completion_logits(model, batch)
     assert ours.shape == (8, full.shape[-1])
-    torch.testing.assert_close(ours, full[batch.predicts_completion], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours, full.flatten(0, 1)[batch.completion_positions], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_sharing_a_prompt_forward_gives_the_same_scores_and_gradients(model_and_processor, attention):
+    model, processor = model_and_processor
+    model.config._attn_implementation = attention
+    base = text_examples(processor, [3, 5, 4, 2])
+    # Two samples of each prompt: the examples share their prompt objects, as build_examples pairs them.
+    examples = [dataclasses.replace(base[i], completion_ids=base[j].completion_ids, engine_logprobs=base[j].engine_logprobs)
+                for i, j in ((0, 0), (0, 1), (2, 2), (2, 3))]
+    cfg = LossConfig(top_k=16, ce_weight=0.5)
+    results = []
+    try:
+        for share in (False, True):
+            model.zero_grad()
+            scored = score_micro_batch(model, model, examples, loss_cfg=cfg, dtype="float32",
+                                       pad_id=processor.pad_token_id, share_prompts=share)
+            scored.token_losses(cfg).sum().backward()
+            results.append((scored, [p.grad.clone() for p in model.parameters()]))
+    finally:
+        model.config._attn_implementation = "sdpa"
+        model.zero_grad()
+    (plain, plain_grads), (shared, shared_grads) = results
+    torch.testing.assert_close(shared.student_logits, plain.student_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared.teacher_logits, plain.teacher_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared.distill, plain.distill, rtol=0, atol=1e-6)
+    for got, want in zip(shared_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)  # sums in another order
 
 
 def test_a_micro_batch_scores_both_roles_on_the_same_tokens(model_and_processor):

@@ -34,10 +34,26 @@ def test_collate_marks_the_positions_that_predict_each_completion_token():
     assert batch.inputs["input_ids"].tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0]]
     assert batch.inputs["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     assert batch.completion_ids.tolist() == [7, 8, 9, 10, 11]
-    rows, cols = batch.predicts_completion.nonzero(as_tuple=True)
-    # The token after each marked position is the completion token it predicts, in row-major order.
-    assert batch.inputs["input_ids"][rows, cols + 1].tolist() == batch.completion_ids.tolist()
+    # The token after each marked position is the completion token it predicts, in order.
+    assert batch.inputs["input_ids"].flatten()[batch.completion_positions + 1].tolist() == batch.completion_ids.tolist()
     assert batch.num_tokens == 5
+
+
+def test_shared_prompts_pack_each_prompt_once_with_its_completions_after_it():
+    first, second = EncodedPrompt([1, 2, 3]), EncodedPrompt([4])
+    prompts, completions = [first, second, first], [[7, 8], [9, 10, 11], [12]]
+    batch = collate(prompts, completions, pad_id=0, share_prompts=True)
+    assert batch.inputs["input_ids"].tolist() == [[1, 2, 3, 7, 8, 12], [4, 9, 10, 11, 0, 0]]
+    # Each completion sits where it would after its prompt alone.
+    assert batch.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3], [0, 1, 2, 3, 0, 0]]
+    mask = batch.inputs["attention_mask"][:, 0]
+    assert mask[0, 5].tolist() == [True, True, True, False, False, True]  # prompt and itself, not [7, 8]
+    assert mask[0, 4].tolist() == [True, True, True, True, True, False]
+    assert mask[1, 5].tolist() == [False, False, False, False, False, True]  # padding: itself only
+    # Completion ids in the examples' order; a prompt's last position predicts both its first tokens.
+    assert batch.completion_ids.tolist() == [7, 8, 9, 10, 11, 12]
+    assert batch.completion_positions.tolist() == [2, 3, 6, 7, 8, 2]
+    assert collate(prompts[:2], completions[:2], 0, share_prompts=True).inputs["attention_mask"].dim() == 2  # nothing shared
 
 
 def test_completions_are_cut_to_the_longer_prompt_and_dropped_when_nothing_fits():
