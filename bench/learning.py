@@ -117,7 +117,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8.6, 4.2))
     colours = {"opsd": "tab:blue", "no_privileged": "tab:gray", "noise": "tab:orange", "sft": "tab:green"}
     base = None
     for name, run in report["runs"].items():
@@ -135,7 +135,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel("held-out accuracy, greedy (%)")
     ax.set_ylim(-2, 102)
     ax.set_title(report["task"]["title"], fontsize=10)
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the curves, not on them
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -148,7 +148,8 @@ def collate_shared_prompts(prompts: list[EncodedPrompt], completions: list[list[
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     segment = torch.full((len(rows), width), -1, dtype=torch.long)  # 0 prompt, k completion k, -1 padding
-    predicting = [0] * len(prompts)  # per example: its first predicting position (flat) ...
+    # Per example, flat positions: its prompt's last one (predicts its first token), where it begins.
+    anchors: list[tuple[int, int]] = [(0, 0)] * len(prompts)
     for r, group in enumerate(rows):
         prompt = prompts[group[0]].input_ids
         input_ids[r, : len(prompt)] = torch.tensor(prompt)
@@ -160,11 +161,11 @@ def collate_shared_prompts(prompts: list[EncodedPrompt], completions: list[list[
             input_ids[r, start : start + len(c)] = torch.tensor(c, dtype=torch.long)
             position_ids[r, start : start + len(c)] = torch.arange(len(prompt), len(prompt) + len(c))
             segment[r, start : start + len(c)] = k
-            predicting[i] = (r * width + len(prompt) - 1, r * width + start)  # ... and where the rest begin
+            anchors[i] = (r * width + len(prompt) - 1, r * width + start)
             start += len(c)
     positions = []
-    for (prompt_last, rest), c in zip(predicting, completions):
-        positions.extend([prompt_last, *range(rest, rest + len(c) - 1)])
+    for (prompt_last, begin), c in zip(anchors, completions):
+        positions.extend([prompt_last, *range(begin, begin + len(c) - 1)])
     query, key = segment[:, :, None], segment[:, None, :]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     allowed = causal & (query != -1) & (key != -1) & ((key == 0) | (key == query))
