@@ -58,7 +58,7 @@ def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -
     for start in range(0, len(examples), size):
         micro = examples[start : start + size]
         scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id,
-                                   share_prompts=cfg.train.share_prompt_forward)
+                                   packed_row_tokens=cfg.train.packed_row_tokens)
         distill.append(scored.distill.float())
         mismatch.append((scored.student_logprobs - scored.engine_logprobs).abs())
         sums.add(scored.guardrails(cfg.loss))
@@ -112,7 +112,7 @@ def run_check(cfg: Config, out=print) -> bool:
         train_step(student, teacher, privileged, optimizer, loss_cfg=cfg.loss,
                    micro_batch_size=cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt,
                    max_grad_norm=cfg.optim.max_grad_norm, dtype=cfg.model.dtype, pad_id=pad_id,
-                   share_prompts=cfg.train.share_prompt_forward)
+                   packed_row_tokens=cfg.train.packed_row_tokens)
         moved = score(cfg, student, student, same, pad_id).mismatch_max  # new trainer vs old engine logprobs
         push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
         fresh = engine.generate(prompts, sampling_settings(cfg, 2, processor))

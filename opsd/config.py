@@ -362,12 +362,20 @@ class TrainConfig:
     max_forward_tokens: Annotated[int, Field(gt=0)] = 10240
     """Longest sequence fed to a forward; the completion is truncated so the teacher's fits."""
     share_prompt_forward: bool = True
-    """Score the samples of one text prompt in one packed row, the prompt computed once: same
-    scores, fewer tokens when `rollout.samples_per_prompt > 1` (text models, sdpa or eager attention)."""
+    """Score the samples of one text prompt in packed rows of up to `max_forward_tokens`, the prompt
+    computed once per row: same scores, fewer tokens when `rollout.samples_per_prompt > 1` (text
+    models, sdpa or eager attention). Worth it when prompts are long against completions; a row's
+    attention is quadratic in its length and takes no flash kernel, so with many long completions
+    to a short prompt, measure (bench/step_profile.py) or set false."""
     seed: int = 0
     """Seeds the data order, the sampling (per step and prompt) and the global RNGs."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's models live; `auto` = CUDA when available."""
+
+    @property
+    def packed_row_tokens(self) -> int | None:
+        """Longest row that packs the samples of one prompt; None = a row per sequence."""
+        return self.max_forward_tokens if self.share_prompt_forward else None
 
 
 @dataclass(config=_STRICT)

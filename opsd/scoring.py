@@ -47,7 +47,7 @@ def forward_completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
 
 
 def packs_shared_prompts(model) -> bool:
-    """Whether `model` can score packed rows of shared prompts (`collate(share_prompts=True)`): a
+    """Whether `model` can score packed rows of shared prompts (`collate(packed_row_tokens=...)`): a
     text model whose attention takes a 4-D mask (not flash-attention, which takes none)."""
     config = model.config
     return getattr(config, "vision_config", None) is None and config._attn_implementation in ("sdpa", "eager")
@@ -155,19 +155,19 @@ class ScoredBatch:
 
 def score_micro_batch(
     student: torch.nn.Module, teacher: torch.nn.Module, micro: list[Example], *,
-    loss_cfg: LossConfig, dtype: str, pad_id: int, share_prompts: bool = True,
+    loss_cfg: LossConfig, dtype: str, pad_id: int, packed_row_tokens: int | None = None,
 ) -> ScoredBatch:
     """Student forward (with grad when enabled), teacher forward without, per-token terms.
 
-    `share_prompts`: the samples of one prompt share one forward of it (`collate`) where the model
-    allows it (`packs_shared_prompts`); the scores are the same either way.
+    `packed_row_tokens`: the samples of one prompt share a forward of it in rows of up to this many
+    tokens (`collate`) where the model allows it (`packs_shared_prompts`); the scores are the same.
     """
     device = next(student.parameters()).device
     completions = [e.completion_ids for e in micro]
     student_batch = collate([e.student for e in micro], completions, pad_id,
-                            share_prompts=share_prompts and packs_shared_prompts(student))
+                            packed_row_tokens=packed_row_tokens if packs_shared_prompts(student) else None)
     teacher_batch = collate([e.teacher for e in micro], completions, pad_id,
-                            share_prompts=share_prompts and packs_shared_prompts(teacher))
+                            packed_row_tokens=packed_row_tokens if packs_shared_prompts(teacher) else None)
     sampled = student_batch.completion_ids.to(device)
     engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
 

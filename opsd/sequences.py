@@ -84,15 +84,17 @@ def _pad_images(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, *, share_prompts: bool = False) -> ForwardBatch:
+def collate(
+    prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, *, packed_row_tokens: int | None = None,
+) -> ForwardBatch:
     """Right-pad `prompt + completion` sequences into one batch.
 
-    `share_prompts`: completions of one text prompt (the same `EncodedPrompt` object, as
-    `build_examples` pairs a prompt's samples) go into one packed row, the prompt once, each
-    completion attending to the prompt and to itself (`collate_shared_prompts`).
+    `packed_row_tokens`: completions of one text prompt (the same `EncodedPrompt` object, as
+    `build_examples` pairs a prompt's samples) share rows of up to this many tokens, the prompt once
+    in each, every completion attending to the prompt and to itself (`collate_shared_prompts`).
     """
-    if share_prompts and shares_a_prompt(prompts):
-        return collate_shared_prompts(prompts, completions, pad_id)
+    if packed_row_tokens and shares_a_prompt(prompts):
+        return collate_shared_prompts(prompts, completions, pad_id, packed_row_tokens)
     rows = [p.input_ids + c for p, c in zip(prompts, completions)]
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -125,24 +127,31 @@ def collate(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: 
 
 
 def shares_a_prompt(prompts: list[EncodedPrompt]) -> bool:
-    """Whether packing applies and saves anything: text prompts only, one holding several completions."""
+    """Whether packing applies and may save anything: text prompts only, one holding several completions."""
     if any(p.vision or p.per_token for p in prompts):
         return False  # vision inputs are batched per row; their models compute their own positions
     return len({id(p) for p in prompts}) < len(prompts)
 
 
-def collate_shared_prompts(prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int) -> ForwardBatch:
-    """One row per distinct prompt: `prompt + completion_1 + completion_2 + ...`, each completion
-    at the positions it would have after the prompt alone and attending only to the prompt and to
-    itself (a [B, 1, L, L] boolean mask), so its logits are those of its own `prompt + completion`.
+def collate_shared_prompts(
+    prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, max_row_tokens: int,
+) -> ForwardBatch:
+    """Rows `prompt + completion_1 + completion_2 + ...`, each completion at the positions it would
+    have after the prompt alone and attending only to the prompt and to itself (a [B, 1, L, L]
+    boolean mask), so its logits are those of its own `prompt + completion`.
 
-    The prompt is computed once instead of once per sample: the saving is the prompt's share of
-    the tokens times (samples per prompt - 1). Text prompts only (see `shares_a_prompt`).
+    The prompt is computed once per row instead of once per sample. A row holds the completions of
+    one prompt that fit in `max_row_tokens` (at least one): attention is quadratic in a row's length,
+    and the budget that bounds a sequence's memory bounds a packed row's too. Text prompts only.
     """
-    groups: dict[int, list[int]] = {}  # id(prompt) -> its examples, rows in order of first appearance
+    rows: list[list[int]] = []  # example indices per row, in order of first appearance
+    open_row: dict[int, int] = {}  # id(prompt) -> the row its next completion may join
     for i, p in enumerate(prompts):
-        groups.setdefault(id(p), []).append(i)
-    rows = list(groups.values())
+        r = open_row.get(id(p))
+        if r is None or len(p.input_ids) + sum(len(completions[j]) for j in rows[r]) + len(completions[i]) > max_row_tokens:
+            r = open_row[id(p)] = len(rows)
+            rows.append([])
+        rows[r].append(i)
     lengths = [len(prompts[g[0]].input_ids) + sum(len(completions[i]) for i in g) for g in rows]
     width = max(lengths)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

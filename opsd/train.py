@@ -202,7 +202,7 @@ def update_student(run: Run, examples: list[Example], step_tokens: int, recorder
         ranks=run.ranks,
         total_tokens=step_tokens,
         padding=rank_padding(cfg, run.processor, sample, run.pad_id) if run.ranks.enabled else None,
-        share_prompts=cfg.train.share_prompt_forward,
+        packed_row_tokens=cfg.train.packed_row_tokens,
     )
 
 

@@ -126,6 +126,6 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
         for start in range(0, len(examples), micro_batch_size):
             micro = examples[start : start + micro_batch_size]
             scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id,
-                                       share_prompts=cfg.train.share_prompt_forward)
+                                       packed_row_tokens=cfg.train.packed_row_tokens)
             recorder.collect(micro, scored)
     return recorder.write(Path(out_dir), step, examples, samples, processor, cfg.prompts), counts

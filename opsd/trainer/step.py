@@ -52,7 +52,7 @@ def train_step(
     ranks: Ranks = Ranks(),
     total_tokens: int | None = None,
     padding: Example | None = None,
-    share_prompts: bool = True,
+    packed_row_tokens: int | None = None,
 ) -> dict:
     """Accumulate gradients over micro-batches of `examples`, then take one optimizer step.
 
@@ -63,7 +63,7 @@ def train_step(
 
     Under torchrun, `total_tokens` counts the completion tokens of all ranks (global token
     normalisation) and the returned metrics are global; `padding` fills up the micro-batches of a
-    rank that has fewer than the busiest one (see `micro_batches`). `share_prompts`: see
+    rank that has fewer than the busiest one (see `micro_batches`). `packed_row_tokens`: see
     `score_micro_batch`.
     """
     if total_tokens is None:
@@ -74,7 +74,7 @@ def train_step(
     for index, micro in enumerate(batches):
         set_gradient_sync(student, index == len(batches) - 1)  # HSDP: all-reduce replicas once, at the end
         scored = score_micro_batch(student, teacher, micro, loss_cfg=loss_cfg, dtype=dtype, pad_id=pad_id,
-                                   share_prompts=share_prompts)
+                                   packed_row_tokens=packed_row_tokens)
         is_padding = micro[0] is padding
         backward(scored, loss_cfg, total_tokens, weight=0.0 if is_padding else 1.0)
         if not is_padding:

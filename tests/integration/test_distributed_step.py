@@ -26,13 +26,15 @@ SPLITS = [([0, 1, 2], []), ([0], [1, 2]), ([0, 1], [2])]
 
 
 def make_examples(step: int, vocab: int) -> list[Example]:
+    """Three examples; the first two are two samples of one prompt (they share its prompt objects)."""
     gen = torch.Generator().manual_seed(step)
     examples = []
     for i in range(3):
         prompt = torch.randint(3, vocab, (6 + i,), generator=gen).tolist()
         privileged = torch.randint(3, vocab, (4,), generator=gen).tolist()
         completion = torch.randint(3, vocab, (3 + 2 * i,), generator=gen).tolist()
-        examples.append(Example(f"s{step}-{i}", EncodedPrompt(prompt), EncodedPrompt(privileged + prompt), completion, [0.0] * len(completion)))
+        student, teacher = (examples[0].student, examples[0].teacher) if i == 1 else (EncodedPrompt(prompt), EncodedPrompt(privileged + prompt))
+        examples.append(Example(f"s{step}-{i}", student, teacher, completion, [0.0] * len(completion)))
     return examples
 
 
@@ -48,14 +50,18 @@ def run_steps(student, teacher, rank_examples, step_kwargs):
     metrics = []
     for step, examples in enumerate(rank_examples):
         metrics.append(train_step(
-            student, teacher, examples, optimizer, loss_cfg=LOSS, micro_batch_size=1,
-            max_grad_norm=2.0, dtype="float32", pad_id=0, **step_kwargs(step),
+            student, teacher, examples, optimizer, loss_cfg=LOSS, max_grad_norm=2.0, dtype="float32", pad_id=0,
+            **{"micro_batch_size": 1, **step_kwargs(step)},
         ))
         update_teacher(TEACHER, teacher, student)
     return metrics
 
 
 MODES = {"fsdp": DistributedConfig(), "hsdp+checkpointing": DistributedConfig(shard_size=1, activation_checkpointing=True)}
+# The same FSDP runs with whole-share micro-batches whose two samples of one prompt share its forward
+# (packed rows), against the reference's one sequence at a time.
+PACKED = {"micro_batch_size": 3, "packed_row_tokens": 64}
+MODES |= {f"{mode}+packed": cfg for mode, cfg in MODES.items()}
 
 
 def _worker(rank, port, model_dir, out_dir):
@@ -77,7 +83,7 @@ def _worker(rank, port, model_dir, out_dir):
         def step_kwargs(step):
             tokens = sum(len(steps[step][i].completion_ids) for i in SPLITS[step][0] + SPLITS[step][1])
             pad = padding_example(steps[step][0].student, steps[step][0].teacher, token_id=1)
-            return dict(ranks=ranks, total_tokens=tokens, padding=pad)
+            return dict(ranks=ranks, total_tokens=tokens, padding=pad, **(PACKED if mode.endswith("+packed") else {}))
 
         metrics = run_steps(student, teacher, mine, step_kwargs)
         full = {f"student.{n}": p.detach().full_tensor() for n, p in student.named_parameters()}

@@ -48,7 +48,7 @@ def test_sharing_a_prompt_forward_gives_the_same_scores_and_gradients(model_and_
         for share in (False, True):
             model.zero_grad()
             scored = score_micro_batch(model, model, examples, loss_cfg=cfg, dtype="float32",
-                                       pad_id=processor.pad_token_id, share_prompts=share)
+                                       pad_id=processor.pad_token_id, packed_row_tokens=1024 if share else None)
             scored.token_losses(cfg).sum().backward()
             results.append((scored, [p.grad.clone() for p in model.parameters()]))
     finally:

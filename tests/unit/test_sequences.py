@@ -42,7 +42,7 @@ def test_collate_marks_the_positions_that_predict_each_completion_token():
 def test_shared_prompts_pack_each_prompt_once_with_its_completions_after_it():
     first, second = EncodedPrompt([1, 2, 3]), EncodedPrompt([4])
     prompts, completions = [first, second, first], [[7, 8], [9, 10, 11], [12]]
-    batch = collate(prompts, completions, pad_id=0, share_prompts=True)
+    batch = collate(prompts, completions, pad_id=0, packed_row_tokens=6)
     assert batch.inputs["input_ids"].tolist() == [[1, 2, 3, 7, 8, 12], [4, 9, 10, 11, 0, 0]]
     # Each completion sits where it would after its prompt alone.
     assert batch.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3], [0, 1, 2, 3, 0, 0]]
@@ -53,7 +53,12 @@ def test_shared_prompts_pack_each_prompt_once_with_its_completions_after_it():
     # Completion ids in the examples' order; a prompt's last position predicts both its first tokens.
     assert batch.completion_ids.tolist() == [7, 8, 9, 10, 11, 12]
     assert batch.completion_positions.tolist() == [2, 3, 6, 7, 8, 2]
-    assert collate(prompts[:2], completions[:2], 0, share_prompts=True).inputs["attention_mask"].dim() == 2  # nothing shared
+    assert collate(prompts[:2], completions[:2], 0, packed_row_tokens=6).inputs["attention_mask"].dim() == 2  # nothing shared
+    # A completion that would make the row longer than the budget starts a row of its own.
+    split = collate(prompts, completions, pad_id=0, packed_row_tokens=5)
+    assert split.inputs["input_ids"].tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0], [1, 2, 3, 12, 0]]
+    assert split.completion_ids.tolist() == [7, 8, 9, 10, 11, 12]
+    assert split.completion_positions.tolist() == [2, 3, 5, 6, 7, 12]
 
 
 def test_completions_are_cut_to_the_longer_prompt_and_dropped_when_nothing_fits():
