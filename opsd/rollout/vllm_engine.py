@@ -169,6 +169,9 @@ class VLLMEngine:
 
         if self._adapter_root is None:
             raise RuntimeError("this VLLMEngine was built without LoRA (max_lora_rank=None)")
+        # With adapter sync this is the step's weight update: the engine asleep since
+        # `release_memory` wakes here, as `end_weight_update` wakes it after a full sync.
+        self._wake("weights", "kv_cache")
         previous = self._lora_request
         adapter_id = previous.lora_int_id + 1 if previous else 1
         path = self._adapter_root / f"adapter-{adapter_id}"

@@ -1,6 +1,8 @@
 """GPU-path risks checked on CPU: engine sleep level 2, tensor-parallel evaluation with fewer samples
 than ranks, text-only rows for a sharded VLM, the teacher forward without a KV cache."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ class FakeLLM:
     def reset_mm_cache(self):
         pass
 
-    llm_engine = type("E", (), {"reset_encoder_cache": lambda self: None})()
+    llm_engine = type("E", (), {"reset_encoder_cache": lambda self: None, "add_lora": lambda self, request: None})()
 
 
 def sleeping_engine() -> VLLMEngine:
@@ -62,12 +64,17 @@ def test_engine_sleeps_at_level_2_and_needs_a_weight_update_before_sampling():
     assert engine.llm.calls.count(("sleep", 2)) == 2
 
 
-def test_engine_with_adapters_sleeps_at_level_1_and_keeps_its_base_weights(tmp_path):
+def test_engine_with_adapters_sleeps_at_level_1_and_keeps_its_base_weights(tmp_path, monkeypatch):
     engine = sleeping_engine()
     engine._adapter_root = tmp_path  # adapter sync: the base weights are never pushed again
     engine.release_memory()
     assert engine.llm.calls == [("sleep", 1)]
     assert not engine._weights_discarded
+    # The adapter update is the step's weight sync: it wakes the engine before the next rollouts.
+    monkeypatch.setattr("opsd.lora.write_adapter_dir", lambda path, tensors, config: None)
+    engine.receive_adapter(SimpleNamespace(tensors={}, config=None))
+    assert engine.llm.calls[1:] == [("wake_up", ("weights", "kv_cache"))]
+    assert not engine._asleep
 
 
 class GroupEngine:
