@@ -163,7 +163,7 @@ def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: fl
             "eval_items": cfg.eval.num_samples,
             "eval": "greedy, held-out question phrasings, answer = last task value named",
             "steps": cfg.train.max_steps,
-            "sequences_per_step": cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps * cfg.rollout.samples_per_prompt,
+            "sequences_per_step": cfg.prompts_per_step * cfg.rollout.samples_per_prompt,
         },
         "command": " ".join(["python bench/learning.py", "--runs", *args.runs, *args.overrides]),
         "runs": runs,

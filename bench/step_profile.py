@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "scoring_speedup_from_prompt_sharing": {
             m: unshared[m] / stages["score_backward_optimizer"][m] for m in ("wall_s", "cpu_s")
         },
-        "sequences_per_step": cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps * cfg.rollout.samples_per_prompt,
+        "sequences_per_step": cfg.prompts_per_step * cfg.rollout.samples_per_prompt,
     }
     print(json.dumps(report))
     return 0

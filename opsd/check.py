@@ -14,7 +14,6 @@ Single process only; nothing is written to `logging.output_dir`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +29,7 @@ from opsd.rollout.weight_sync import push_weights
 from opsd.scoring import check_scoring_matches_forward, score_micro_batch
 from opsd.sequences import Example, build_examples, build_sample_examples, encode_prompt, prompt_length_check
 from opsd.teacher import make_teacher
+from opsd.trainer.distributed import launched_by_torchrun
 from opsd.trainer.optim import build_optimizer
 from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import train_step
@@ -53,7 +53,7 @@ class Scores:
 @torch.no_grad()
 def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -> Scores:
     """The distillation term and the engine/trainer mismatch of `examples`, without gradients."""
-    size = cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt
+    size = cfg.micro_batch_size
     distill, mismatch, sums = [], [], GuardrailSums()
     for start in range(0, len(examples), size):
         micro = examples[start : start + size]
@@ -68,15 +68,14 @@ def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -
 
 def run_check(cfg: Config, out=print) -> bool:
     """The three checks on one step's prompts of the training split; True when all pass."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launched_by_torchrun():
         raise ConfigError("--check runs in one process: start it with `python -m opsd.train`, not torchrun")
     device = resolve_device(cfg.train.device)
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
     pad_id = getattr(processor, "tokenizer", processor).pad_token_id
     length_check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
-    num_prompts = cfg.train.prompts_per_micro_step * cfg.train.grad_accum_steps
-    samples, _ = split_samples(cfg, num_prompts, split="train", check=length_check, multimodal=is_multimodal(processor))
+    samples, _ = split_samples(cfg, cfg.prompts_per_step, split="train", check=length_check, multimodal=is_multimodal(processor))
     engine = make_engine(cfg, model_dir, processor)
     try:
         seed_everything(cfg.train.seed)
@@ -110,7 +109,7 @@ def run_check(cfg: Config, out=print) -> bool:
 
         optimizer = build_optimizer(cfg.optim, student)
         train_step(student, teacher, privileged, optimizer, loss_cfg=cfg.loss,
-                   micro_batch_size=cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt,
+                   micro_batch_size=cfg.micro_batch_size,
                    max_grad_norm=cfg.optim.max_grad_norm, dtype=cfg.model.dtype, pad_id=pad_id,
                    packed_row_tokens=cfg.train.packed_row_tokens)
         moved = score(cfg, student, student, same, pad_id).mismatch_max  # new trainer vs old engine logprobs

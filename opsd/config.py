@@ -515,6 +515,16 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     """FSDP2 under torchrun."""
 
+    @property
+    def prompts_per_step(self) -> int:
+        """Prompts an optimizer step samples (per rank under torchrun)."""
+        return self.train.prompts_per_micro_step * self.train.grad_accum_steps
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per forward/backward: a micro-step's prompts times their samples."""
+        return self.train.prompts_per_micro_step * self.rollout.samples_per_prompt
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> "Config":
         if self.optim.min_lr > self.optim.lr:

@@ -29,6 +29,7 @@ from opsd.config import Config, ConfigError, config_to_dict, load_config
 from opsd.data.dataset import describe_data, train_stream
 from opsd.data.errors import BadSampleError
 from opsd.data.stream import SampleStream
+from opsd.device import process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
 from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
@@ -44,7 +45,7 @@ from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
-from opsd.trainer.memory_plan import detected_device_gb, plan_memory, world_size_from_env
+from opsd.trainer.memory_plan import detected_device_gb, plan_memory
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.rng import seed_everything
@@ -107,10 +108,6 @@ class Run:
     def pad_id(self) -> int:
         return getattr(self.processor, "tokenizer", self.processor).pad_token_id
 
-    @property
-    def prompts_per_step(self) -> int:
-        return self.cfg.train.prompts_per_micro_step * self.cfg.train.grad_accum_steps
-
 
 def start_run(cfg: Config, log_file: Path) -> Run:
     """Process group, data, engine, models, optimizer, logger; resumed from a checkpoint when asked.
@@ -152,7 +149,7 @@ def start_run(cfg: Config, log_file: Path) -> Run:
 def sample(run: Run, step: int):
     """This rank's prompts of the step, and completions sampled from the current student weights
     (with `loss.kind=sft`: each sample's privileged text instead, n times)."""
-    cfg, per_rank = run.cfg, run.prompts_per_step
+    cfg, per_rank = run.cfg, run.cfg.prompts_per_step
     samples = run.stream.take(per_rank, rank=run.ranks.rank, world_size=run.ranks.world_size)
     prompts = [student_prompt(s, run.processor, cfg.prompts) for s in samples]
     if cfg.loss.kind == "sft":
@@ -194,7 +191,7 @@ def update_student(run: Run, examples: list[Example], step_tokens: int, recorder
     return train_step(
         run.student, run.teacher, examples, run.optimizer,
         loss_cfg=cfg.loss,
-        micro_batch_size=cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt,
+        micro_batch_size=cfg.micro_batch_size,
         max_grad_norm=cfg.optim.max_grad_norm,
         dtype=cfg.model.dtype,
         pad_id=run.pad_id,
@@ -298,10 +295,9 @@ def rank_padding(cfg: Config, processor, sample, pad_id: int):
 
 def describe_plan(cfg: Config) -> str:
     t, r = cfg.train, cfg.rollout
-    prompts = t.prompts_per_micro_step * t.grad_accum_steps
     return "\n".join([
-        f"plan: {t.max_steps} optimizer steps x {prompts} prompts x {r.samples_per_prompt} samples "
-        f"({t.grad_accum_steps} micro-steps of {t.prompts_per_micro_step * r.samples_per_prompt} sequences)",
+        f"plan: {t.max_steps} optimizer steps x {cfg.prompts_per_step} prompts x {r.samples_per_prompt} samples "
+        f"({t.grad_accum_steps} micro-steps of {cfg.micro_batch_size} sequences)",
         f"  model {cfg.model.path} ({cfg.model.dtype}{', built if missing: ' + cfg.model.build if cfg.model.build else ''})",
         f"  rollout engine {r.engine}: up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}",
         f"  {describe_lora(cfg)}",
@@ -368,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
-        print(describe_memory(cfg, args.world_size or world_size_from_env(), args.gpu_memory_gb or detected_device_gb()))
+        print(describe_memory(cfg, args.world_size or process_world_size(), args.gpu_memory_gb or detected_device_gb()))
         return 0
     try:
         if args.check:

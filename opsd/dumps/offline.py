@@ -121,7 +121,7 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     if teacher_path is not None:
         teacher = load_model(dataclasses.replace(cfg.model, path=teacher_path), processor, device).eval()
     recorder = recorder_for(cfg)
-    micro_batch_size = cfg.train.prompts_per_micro_step * cfg.rollout.samples_per_prompt
+    micro_batch_size = cfg.micro_batch_size
     with torch.no_grad():
         for start in range(0, len(examples), micro_batch_size):
             micro = examples[start : start + micro_batch_size]

@@ -21,7 +21,6 @@ The peak is the larger of the rollout phase (engine awake) and the training phas
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,16 +190,15 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def plan_memory(cfg: Config, world_size: int, device_gb: float | None, shape: ModelShape | None = None, config_source: str = "") -> MemoryPlan:
+def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> MemoryPlan:
     """The per-rank plan of `cfg` on `world_size` ranks of `device_gb` each (None = unknown)."""
-    if shape is None:
-        config, config_source = hf_config(cfg.model)
-        shape = model_shape(config, cfg.model.lora)
+    config, config_source = hf_config(cfg.model)
+    shape = model_shape(config, cfg.model.lora)
     dist, train, rollout = cfg.distributed, cfg.train, cfg.rollout
     shard = (dist.shard_size or world_size) if world_size > 1 else 1
     P = shape.parameters
     compute = DTYPE_BYTES[cfg.model.dtype]
-    gathered_bytes = DTYPE_BYTES[dist.param_dtype] if world_size > 1 else 4
+    gathered_bytes = DTYPE_BYTES[dist.param_dtype]  # used only when sharded
     rows: list[tuple[str, float, str]] = []
 
     def add(item: str, nbytes: float, how: str) -> float:
@@ -246,7 +244,7 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None, shape: Mo
             f"({shape.largest_block / 1e6:.0f}M each)",
         )
 
-    sequences = train.prompts_per_micro_step * rollout.samples_per_prompt
+    sequences = cfg.micro_batch_size
     tokens = sequences * train.max_forward_tokens
     checkpointing = dist.activation_checkpointing
     activations = _block_activations(
@@ -319,6 +317,3 @@ def detected_device_gb() -> float | None:
         return torch.cuda.get_device_properties(0).total_memory / GB
     return None
 
-
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
