@@ -124,7 +124,7 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 
 
 def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
-    """One update session: every parameter of `model`, in buckets, into `receiver` (in its
+    """One update session: every parameter of `model`, in buckets, into `receiver` (gathered in its
     `weight_dtype` when it declares one)."""
     gathered = [0]
     stats = push_tensors(full_tensors(model, getattr(receiver, "weight_dtype", None), gathered), receiver, bucket_mb=bucket_mb)
@@ -133,7 +133,11 @@ def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb:
 
 
 def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
-    """One update session: `(hf_name, full_tensor)` pairs, in buckets, into `receiver`."""
+    """One update session: `(hf_name, full_tensor)` pairs, in the receiver's `weight_dtype` when it
+    declares one, in buckets, into `receiver`."""
+    dtype = getattr(receiver, "weight_dtype", None)
+    if dtype is not None:
+        named_tensors = ((name, t.to(dtype)) for name, t in named_tensors)  # a no-op when gathered in it
     start = time.perf_counter()
     total_bytes = count = n_buckets = 0
     receiver.begin_weight_update()
@@ -152,9 +156,7 @@ def sync_student(model: torch.nn.Module, receiver, *, bucket_mb: float = 256, lo
     if not lora.is_lora(model):
         return push_weights(model, receiver, bucket_mb=bucket_mb)
     if lora_sync == "merged":
-        dtype = getattr(receiver, "weight_dtype", None)
-        merged = ((name, t.to(dtype) if dtype else t) for name, t in lora.merged_tensors(model))
-        return push_tensors(merged, receiver, bucket_mb=bucket_mb)
+        return push_tensors(lora.merged_tensors(model), receiver, bucket_mb=bucket_mb)
     start = time.perf_counter()
     update = lora.adapter_update(model)
     receiver.receive_adapter(update)
