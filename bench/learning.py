@@ -60,16 +60,9 @@ def run_child(args: list[str], log: Path) -> tuple[float, float]:
 
 def reusable_records(run_dir: Path, max_steps: int) -> list[dict] | None:
     """The records up to `max_steps` of a run that got there (an evaluation at max_steps included)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a run killed mid-write
-            break
-    records = [r for r in records if r["step"] <= max_steps]
+    from opsd.trainer.summary import read_records
+
+    records = [r for r in read_records(run_dir / "metrics.jsonl") if r["step"] <= max_steps]
     done = any(r["step"] == max_steps and "eval/accuracy" in r for r in records)
     return records if done and records[0]["step"] == 0 else None
 
@@ -88,8 +81,9 @@ def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) ->
         for r in records if "eval/accuracy" in r
     ]
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
-    # The distillation term is logged under its loss kind's name (opsd.scoring.DISTILL_METRIC).
-    distill = next((k for k in ("jsd", "tinker_loss", "distill") if steps and k in steps[0]), None)
+    from opsd.scoring import DISTILL_METRIC  # the distillation term is logged under its loss kind's name
+
+    distill = next((k for k in DISTILL_METRIC.values() if steps and k in steps[0]), None)
     stage_s = {stage: sum(r.get(f"time_{stage}_s", 0.0) for r in steps) for stage in STAGES}
     stage_s["eval"] = sum(e["seconds"] for e in evals)
     if wall_s is None:
@@ -196,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from opsd.config import load_config
+    from opsd.trainer.summary import read_records
 
     out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                      "logging.progress_bar=false"]
         print(f"run {name}: python -m opsd.train --config {args.config} {' '.join(overrides)}", file=sys.stderr, flush=True)
         wall, cpu = run_child(["-m", "opsd.train", "--config", args.config, *overrides], out / f"{name}.log")
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        runs[name] = {"overrides": CONTROLS[name], **summarise(records, wall, cpu)}
+        runs[name] = {"overrides": CONTROLS[name], **summarise(read_records(run_dir / "metrics.jsonl"), wall, cpu)}
         evals = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}/{e['teacher_accuracy']}" for e in runs[name]["eval"])
         print(f"  {name}: student/teacher accuracy by step {evals} ({wall:.0f} s)", file=sys.stderr, flush=True)
         write_report(cfg, args, runs, conversion, out, started, load_start)  # what is done so far is kept

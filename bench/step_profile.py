@@ -48,9 +48,8 @@ def profile(cfg, log_file, steps: int):
     from opsd.evaluation import generate_once
     from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
     from opsd.rollout import SamplingSettings
-    from opsd.rollout.weight_sync import push_weights
-    from opsd.teacher import update_teacher
-    from opsd.train import build_sequences, end_run, sample, start_run, update_student
+    from opsd.rollout.weight_sync import sync_student
+    from opsd.train import advance_schedules, build_sequences, end_run, sample, start_run, update_student
 
     started = time.perf_counter()
     run = start_run(cfg, log_file)
@@ -78,10 +77,9 @@ def profile(cfg, log_file, steps: int):
             run.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, share_prompt_forward=share))
             with timed(stages, stage):
                 update_student(run, examples, step_tokens, None, samples[0])
-                run.scheduler.step()
-                update_teacher(cfg.teacher, run.teacher, run.student)
+                advance_schedules(run)
         with timed(stages, "weight_sync"):
-            push_weights(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+            sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
     end_run(run)
 
     return evaluation, stages, startup_s, threads, len(run.evaluator.samples)

@@ -133,13 +133,13 @@ def check_fsdp_nccl_ema_sync(args) -> dict:
 
     class Receiver:
         def __init__(self, dtype):
-            self.weight_dtype, self.tensors = dtype, 0
+            self.weight_dtype = dtype
 
         def begin_weight_update(self):
             pass
 
         def receive_weights(self, bucket):
-            self.tensors += len(bucket)
+            pass
 
         def end_weight_update(self):
             pass
@@ -245,6 +245,7 @@ def check_vllm_sleep_sync_parity(args) -> dict:
     from opsd.rollout.engine import SamplingSettings
     from opsd.rollout.vllm_engine import VLLMEngine
     from opsd.rollout.weight_sync import push_weights
+    from opsd.loss import token_logprobs
     from opsd.scoring import completion_logits
     from opsd.sequences import collate, encode_prompt
     from opsd.tiny_models import build_tiny_text_model
@@ -269,7 +270,7 @@ def check_vllm_sleep_sync_parity(args) -> dict:
         second = engine.generate([prompt], sampling)[0]
         batch = collate([encode_prompt(processor, prompt)], [second.token_ids], processor.pad_token_id)
         with torch.no_grad():
-            logprobs = completion_logits(model, batch).log_softmax(-1).gather(-1, batch.completion_ids[:, None].cuda())[:, 0]
+            logprobs = token_logprobs(completion_logits(model, batch), batch.completion_ids.cuda())
         mismatch = (logprobs.cpu() - torch.tensor(second.logprobs)).abs().max().item()
         engine.close()
     return {
