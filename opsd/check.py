@@ -26,7 +26,7 @@ from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt
 from opsd.rollout import make_engine, sampling_settings
 from opsd.rollout.weight_sync import push_weights
-from opsd.scoring import check_scoring_matches_forward, score_micro_batch
+from opsd.scoring import check_scoring_matches_forward, score_examples
 from opsd.sequences import Example, build_examples, build_sample_examples, encode_prompt, prompt_length_check
 from opsd.teacher import make_teacher
 from opsd.trainer.distributed import launched_by_torchrun
@@ -53,12 +53,8 @@ class Scores:
 @torch.no_grad()
 def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -> Scores:
     """The distillation term and the engine/trainer mismatch of `examples`, without gradients."""
-    size = cfg.micro_batch_size
     distill, mismatch, sums = [], [], GuardrailSums()
-    for start in range(0, len(examples), size):
-        micro = examples[start : start + size]
-        scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id,
-                                   packed_row_tokens=cfg.train.packed_row_tokens)
+    for _, scored in score_examples(student, teacher, examples, cfg, pad_id):
         distill.append(scored.distill.float())
         mismatch.append((scored.student_logprobs - scored.engine_logprobs).abs())
         sums.add(scored.guardrails(cfg.loss))

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from opsd.config import LossConfig
+from opsd.config import Config, LossConfig
 from opsd.loss import GuardrailSums, generalized_jsd, guardrail_sums, tinker_loss, token_logprobs
 from opsd.sequences import Example, ForwardBatch, collate
 
@@ -166,8 +167,6 @@ def score_micro_batch(
     completions = [e.completion_ids for e in micro]
     student_batch = collate([e.student for e in micro], completions, pad_id,
                             packed_row_tokens=packed_row_tokens if packs_shared_prompts(student) else None)
-    teacher_batch = collate([e.teacher for e in micro], completions, pad_id,
-                            packed_row_tokens=packed_row_tokens if packs_shared_prompts(teacher) else None)
     sampled = student_batch.completion_ids.to(device)
     engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
 
@@ -176,6 +175,8 @@ def score_micro_batch(
         if loss_cfg.kind == "sft":  # no teacher: its scores are the student's, no distillation term
             teacher_logits = student_logits.detach()
         else:
+            teacher_batch = collate([e.teacher for e in micro], completions, pad_id,
+                                    packed_row_tokens=packed_row_tokens if packs_shared_prompts(teacher) else None)
             with torch.no_grad():
                 teacher_logits = completion_logits(teacher, teacher_batch)
     if loss_cfg.kind == "sft":
@@ -185,3 +186,12 @@ def score_micro_batch(
     with torch.set_grad_enabled(loss_cfg.ce_weight > 0 and torch.is_grad_enabled()):
         student_logprobs = token_logprobs(student_logits, sampled)
     return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)
+
+
+def score_examples(student, teacher, examples: list[Example], cfg: Config, pad_id: int) -> Iterator[tuple[list[Example], ScoredBatch]]:
+    """`score_micro_batch` over `examples` in the run's micro-batches, outside training (offline
+    dumps, `--check`): `(micro_batch, scores)` pairs; gradients as the caller's context says."""
+    for start in range(0, len(examples), cfg.micro_batch_size):
+        micro = examples[start : start + cfg.micro_batch_size]
+        yield micro, score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype,
+                                       pad_id=pad_id, packed_row_tokens=cfg.train.packed_row_tokens)

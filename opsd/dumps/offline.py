@@ -19,7 +19,7 @@ from opsd.dumps.record import recorder_for
 from opsd.modeling import load_model, load_processor, prepare_model_dir
 from opsd.prompts import is_multimodal, student_prompt
 from opsd.rollout import make_engine, sampling_settings
-from opsd.scoring import check_scoring_matches_forward, score_micro_batch
+from opsd.scoring import check_scoring_matches_forward, score_examples
 from opsd.sequences import build_sample_examples, prompt_length_check
 from opsd.trainer.checkpoint import (
     MODEL_DIR, TEACHER_DIR, CheckpointError, read_trainer_state, resolve_checkpoint, verify_checkpoint,
@@ -121,11 +121,7 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     if teacher_path is not None:
         teacher = load_model(dataclasses.replace(cfg.model, path=teacher_path), processor, device).eval()
     recorder = recorder_for(cfg)
-    micro_batch_size = cfg.micro_batch_size
     with torch.no_grad():
-        for start in range(0, len(examples), micro_batch_size):
-            micro = examples[start : start + micro_batch_size]
-            scored = score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype, pad_id=pad_id,
-                                       packed_row_tokens=cfg.train.packed_row_tokens)
+        for micro, scored in score_examples(student, teacher, examples, cfg, pad_id):
             recorder.collect(micro, scored)
     return recorder.write(Path(out_dir), step, examples, samples, processor, cfg.prompts), counts
