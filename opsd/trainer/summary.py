@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from opsd.trainer.checkpoint import latest_checkpoint
 from opsd.trainer.console import THIRD_PARTY_LOG
 
 SUMMARY_FILE = "summary.json"
@@ -49,9 +50,9 @@ def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, st
     tokens = sum(r.get("completion_tokens", 0) for r in mine)
     files = {"output_dir": str(output_dir), "metrics": str(output_dir / "metrics.jsonl"),
              "summary": str(output_dir / SUMMARY_FILE)}
-    checkpoints = sorted(output_dir.glob("checkpoint-*[0-9]"), key=lambda p: int(p.name.split("-")[-1]))
-    if checkpoints:
-        files["last_checkpoint"] = str(checkpoints[-1])
+    latest = latest_checkpoint(output_dir)  # a complete one: a half-written save is not offered
+    if latest is not None:
+        files["last_checkpoint"] = str(latest.path)
     if (output_dir / THIRD_PARTY_LOG).is_file():
         files["run_log"] = str(output_dir / THIRD_PARTY_LOG)
     if (output_dir / "rollouts").is_dir():

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from opsd.trainer.checkpoint import MANIFEST
 from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
 
 
@@ -17,6 +18,8 @@ def test_summary_from_records(tmp_path):
          "time_weight_sync_s": 0.5, "eval/accuracy": 0.5, "time_eval_s": 1.0},
     ]
     (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / MANIFEST).write_text("{}")
+    (tmp_path / "checkpoint-5").mkdir()  # no manifest: a save that did not finish
     summary = run_summary(records, output_dir=tmp_path, wall_time_s=20.0)
     assert summary["steps"] == 3 and summary["trained_steps"] == 2 and summary["skipped_steps"] == 1
     assert summary["stage_time_s"] == {"rollout": 5.0, "train": 6.0, "weight_sync": 1.0, "eval": 2.0, "other": 6.0}
