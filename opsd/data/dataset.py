@@ -96,6 +96,10 @@ def prepare(dataset: DatasetConfig) -> None:
         from opsd.data.facts import write_dataset
 
         write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, n_facts=s.n_facts)
+    elif s.kind == "picture-facts":
+        from opsd.data.picture_facts import write_dataset
+
+        write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, n_facts=s.n_facts, image_size=s.image_size)
     else:
         from opsd.data.arithmetic import write_dataset
 

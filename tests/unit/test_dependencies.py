@@ -2,7 +2,7 @@
 
     config <- data <- prompts <- sequences <- scoring <- teacher <- trainer <- train (the recipe)
     loss, device: leaves (tensor math; where the process runs), importable from any layer
-    models (modeling, tiny_models, convert_smollm2, vl_processor, lora): config and prompts
+    models (modeling, tiny_models, convert_smollm2, smollm2_vlm, vl_processor, lora): config and prompts
     rollout: prompts and below, models; evaluation: rollout and prompts
     dumps: scoring, rollout, evaluation, the checkpoint format; the recipe and CLIs: everything
 
@@ -23,7 +23,8 @@ GROUPS = {  # group: module prefixes
     "data": ["opsd.data"],
     "prompts": ["opsd.prompts"],
     "sequences": ["opsd.sequences"],
-    "models": ["opsd.modeling", "opsd.tiny_models", "opsd.convert_smollm2", "opsd.vl_processor", "opsd.lora"],
+    "models": ["opsd.modeling", "opsd.tiny_models", "opsd.convert_smollm2", "opsd.smollm2_vlm", "opsd.vl_processor",
+               "opsd.lora"],
     "scoring": ["opsd.scoring"],
     "teacher": ["opsd.teacher"],
     "trainer": ["opsd.trainer"],

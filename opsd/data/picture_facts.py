@@ -1,0 +1,129 @@
+"""Picture facts: privileged knowledge shown to the teacher only as a picture (project schema, Visual OPSD).
+
+The facts task (`opsd.data.facts`) with the fact drawn instead of written: each invented person
+has one thing whose colour or shape is the fact ("Zondras's kite is shaped like a star."). The
+student is asked about it with no image at all ("What shape is Zondras's kite?"); the teacher's
+prompt adds one privileged picture of the thing (`opsd.data.pictures`: a star, in some colour, at
+some place), never the words. The teacher must read the picture, and pick the asked attribute of
+it; the student must take the fact into its weights. Held-out question phrasings at evaluation, as
+in the facts task.
+
+Values are spread evenly: with 8 colour facts each colour is the answer once (so is each shape of
+8 shape facts), so a student that says one colour to every question gains little. Every row's
+picture is drawn anew (place, size, angle, the other attribute) from (seed, split, row).
+
+Files written by `write_dataset` (parquet, the project schema without problem images; configure
+`columns: {images: []}`):
+    train.parquet, eval.parquet   id, question, answer, privileged_images (one picture),
+                                  privileged_text (the fact as a sentence: what `loss.kind=sft` trains on)
+"""
+
+from __future__ import annotations
+
+import pathlib
+import random
+
+from opsd.data.facts import Relation, check_fact_count, person_names, question_rows
+from opsd.data.pictures import COLOURS, SHAPES, draw_picture
+from opsd.data.synthetic import _png
+
+RELATIONS = (
+    Relation(
+        fact="{who}'s car is {value}.",
+        train=("What colour is {who}'s car?", "Which colour is the car that {who} drives?",
+               "{who} has a car. What colour is it?"),
+        held_out=("Name the colour of {who}'s car.", "If you saw {who}'s car, what colour would it be?",
+                  "Tell me the colour of the car {who} owns.", "Which colour is {who}'s car painted?"),
+        values=tuple(COLOURS),
+    ),
+    Relation(
+        fact="{who}'s kite is shaped like a {value}.",
+        train=("What shape is {who}'s kite?", "Which shape does the kite of {who} have?",
+               "{who} flies a kite. What shape is it?"),
+        held_out=("Name the shape of {who}'s kite.", "If you saw {who}'s kite in the sky, what shape would it be?",
+                  "Tell me the shape of the kite {who} owns.", "Which shape is {who}'s kite cut in?"),
+        values=SHAPES,
+    ),
+    Relation(
+        fact="{who}'s umbrella is {value}.",
+        train=("What colour is {who}'s umbrella?", "Which colour is the umbrella that {who} carries?",
+               "{who} has an umbrella. What colour is it?"),
+        held_out=("Name the colour of {who}'s umbrella.", "If {who} opened the umbrella, what colour would you see?",
+                  "Tell me the colour of the umbrella {who} owns.", "Which colour is {who}'s umbrella made in?"),
+        values=tuple(COLOURS),
+    ),
+    Relation(
+        fact="{who}'s badge is shaped like a {value}.",
+        train=("What shape is {who}'s badge?", "Which shape does the badge of {who} have?",
+               "{who} wears a badge. What shape is it?"),
+        held_out=("Name the shape of {who}'s badge.", "If you looked at {who}'s badge, what shape would it be?",
+                  "Tell me the shape of the badge {who} wears.", "Which shape is {who}'s badge cut in?"),
+        values=SHAPES,
+    ),
+)
+VALUES = tuple(COLOURS) + SHAPES
+
+
+def make_facts(seed: int, n: int) -> list[dict]:
+    """Fact k: {"who", "relation" (index into RELATIONS), "value"}; relations take turns, and each
+    relation's values are dealt from a shuffled deck (every value once before any repeats)."""
+    rng = random.Random(f"opsd-picture-facts:{seed}")
+    names = person_names(seed, n, avoid=VALUES, salt="opsd-picture-facts-names")
+    decks: dict[tuple[str, ...], list[str]] = {}  # relations of one kind share a deck
+    facts = []
+    for k, who in enumerate(names):
+        relation = k % len(RELATIONS)
+        values = RELATIONS[relation].values
+        deck = decks.setdefault(values, [])
+        if not deck:
+            deck += rng.sample(values, len(values))
+        facts.append({"who": who, "relation": relation, "value": deck.pop()})
+    return facts
+
+
+def picture(fact: dict, rng: random.Random, image_size: int):
+    """The fact as a picture: its value, with the other attribute drawn at random."""
+    value = fact["value"]
+    if value in COLOURS:
+        return draw_picture(value, rng.choice(SHAPES), rng, image_size)
+    return draw_picture(rng.choice(list(COLOURS)), value, rng, image_size)
+
+
+def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, image_size: int = 64):
+    """(train rows, eval rows) as dicts with a PIL `picture`; row i of a split asks about fact
+    i % n_facts with phrasing i // n_facts of that split's phrasings (cycled)."""
+    n_facts = n_eval if n_facts is None else n_facts
+    check_fact_count(n_facts, n_eval)
+    facts = make_facts(seed, n_facts)
+    rows: dict[str, list[dict]] = {"train": [], "eval": []}
+    for split, index, fact, question in question_rows(facts, RELATIONS, n_train, n_eval):
+        rng = random.Random(f"opsd-picture-facts-row:{seed}:{split}:{index}")
+        rows[split].append({
+            "id": f"picture-facts-s{seed}-{split}-{index:05d}",
+            "question": question.format(who=fact["who"]),
+            "answer": fact["value"],
+            "picture": picture(fact, rng, image_size),
+            "privileged_text": RELATIONS[fact["relation"]].fact.format(who=fact["who"], value=fact["value"]),
+        })
+    return rows["train"], rows["eval"]
+
+
+def _features():
+    from datasets import Features, Image as ImageFeature, Sequence, Value
+
+    return Features(id=Value("string"), question=Value("string"), answer=Value("string"),
+                    privileged_images=Sequence(ImageFeature()), privileged_text=Value("string"))
+
+
+def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts: int | None = None,
+                  image_size: int = 64) -> pathlib.Path:
+    """Write train.parquet and eval.parquet under out_dir; return out_dir."""
+    from datasets import Dataset
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in zip(("train", "eval"), make_rows(seed, n_train, n_eval, n_facts, image_size)):
+        columns = {key: [r[key] for r in rows] for key in ("id", "question", "answer", "privileged_text")}
+        columns["privileged_images"] = [[_png(r["picture"])] for r in rows]
+        Dataset.from_dict(columns, features=_features()).to_parquet(str(out / f"{name}.parquet"))
+    return out
