@@ -268,7 +268,8 @@ class RolloutConfig:
     """vLLM without CUDA graphs or compilation: slower decoding, faster start. Always on without CUDA
     (vLLM's CPU build fails to compile)."""
     sync_bucket_mb: Annotated[float, Field(gt=0)] = 256
-    """Weight sync streams full tensors to the engine in buckets of at most this size."""
+    """Weight sync streams full tensors to the engine in buckets of at most this size; a tensor larger
+    than the bucket travels alone, in a bucket of its own size."""
     server: ServerEngineConfig = dataclasses.field(default_factory=ServerEngineConfig)
     """The out-of-process engine (`engine: server`)."""
     tensor_parallel_size: Annotated[int, Field(gt=0)] = 1

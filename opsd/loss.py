@@ -1,8 +1,8 @@
 """Per-token distillation losses on completion positions.
 
-`generalized_jsd` is the OPSD reference loss (see notes/opsd-method.md): top-k on the teacher,
-temperature, beta-mixture divergence (TRL convention), elementwise clip, sum over the vocabulary,
-times T^2. `tinker_loss` is Thinking Machines' on-policy distillation: a policy gradient on the
+`generalized_jsd` is the OPSD reference loss, step for step as the Visual-OPSD reference code
+computes it: top-k on the teacher, temperature, beta-mixture divergence (TRL convention),
+elementwise clip, sum over the vocabulary, times T^2. `tinker_loss` is Thinking Machines' on-policy distillation: a policy gradient on the
 sampled token with the per-token reverse KL as (negative) advantage.
 
 Both return an unreduced float32 [N] tensor (float64 for float64 inputs): the trainer divides the
