@@ -41,7 +41,7 @@ from opsd.config import Config, EvalConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.device import process_rank
 from opsd.loss import token_logprobs
-from opsd.prompts import student_prompt, teacher_prompt
+from opsd.prompts import student_prompt, teacher_prompt, tokenizer_of
 from opsd.scoring import ScoredBatch
 from opsd.sequences import Example
 
@@ -134,7 +134,7 @@ def rollout_rows(
     with `answer_pattern` (the run's `eval.answer_pattern`)."""
     if len(examples) != len(scores):
         raise ValueError(f"{len(examples)} examples but {len(scores)} scored completions")
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = tokenizer_of(processor)
     by_id = {s.id: s for s in samples}
     prompts = {}
     for s in by_id.values():

@@ -23,6 +23,7 @@ class Recorder:
 
     def __init__(self, engine):
         self.engine, self.tensors = engine, {}
+        self.capabilities = engine.capabilities  # the engine's weight dtype, adapters, ... kept
 
     def begin_weight_update(self):
         self.engine.begin_weight_update()
