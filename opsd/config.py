@@ -380,15 +380,26 @@ def loss_key_hint(kind: str, key: str) -> str:
             f"from the command line, replace the section: 'loss={{kind: {kind}}}'")
 
 
+TEACHER_MODES = ("self", "ema", "fixed", "base")
+"""The values of `teacher.mode`; each has its class in opsd/teacher.py (`TEACHERS`)."""
+
+
 @dataclass(config=_STRICT)
 class TeacherConfig:
-    mode: Literal["self", "ema", "fixed", "base"] = "self"
-    """`self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen initial copy; `base`:
-    the initial weights. With `model.lora`, `base` is the student with its adapter switched off (no
-    copy) and `ema` is a second adapter holding the EMA of the adapter's weights (no model copy);
-    without LoRA, `base` is the same as `fixed`."""
+    mode: str = "self"
+    """One of `TEACHER_MODES`. `self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen
+    initial copy; `base`: the initial weights. With `model.lora`, `base` is the student with its adapter
+    switched off (no copy) and `ema` is a second adapter holding the EMA of the adapter's weights (no
+    model copy); without LoRA, `base` is the same as `fixed` (opsd/teacher.py has one class per mode)."""
     ema_decay: Probability = 0.995
     """`ema` only: after each step, teacher = decay * teacher + (1 - decay) * student."""
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        if mode not in TEACHER_MODES:
+            raise ValueError(f"must be one of {', '.join(TEACHER_MODES)}")
+        return mode
 
 
 @dataclass(config=_STRICT)
