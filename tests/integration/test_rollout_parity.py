@@ -16,7 +16,7 @@ from tests.helpers.samples import text_samples
 def make_engine(kind, model_dir, processor):
     if kind == "vllm":
         from opsd.rollout.vllm_args import VLLMOptions
-    from opsd.rollout.vllm_engine import VLLMEngine
+        from opsd.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(VLLMOptions(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     from opsd.rollout.hf_engine import HFEngine
