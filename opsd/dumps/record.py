@@ -41,6 +41,7 @@ from opsd.config import Config, EvalConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.device import process_rank
 from opsd.loss import token_logprobs
+from opsd.loss_kinds import build_loss
 from opsd.prompts import student_prompt, teacher_prompt, tokenizer_of
 from opsd.scoring import ScoredBatch
 from opsd.sequences import Example
@@ -236,5 +237,5 @@ def recorder_for_step(cfg: Config, step: int) -> RolloutRecorder | None:
 
 def recorder_for(cfg: Config) -> RolloutRecorder:
     """A recorder with the run's settings: top-n, row chunks, answer pattern."""
-    return RolloutRecorder(top_n=cfg.logging.dump_top_n, chunk_size=cfg.loss.chunk_size,
+    return RolloutRecorder(top_n=cfg.logging.dump_top_n, chunk_size=build_loss(cfg.loss).chunk_rows,
                            answer_pattern=cfg.eval.answer_pattern)
