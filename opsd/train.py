@@ -32,8 +32,8 @@ from opsd.device import process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
 from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
-from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir
 from opsd.loss_kinds import build_loss
+from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import RolloutEngine, make_engine

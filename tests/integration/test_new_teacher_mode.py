@@ -6,45 +6,33 @@ import json
 import math
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import opsd.config
 import opsd.teacher
 import opsd.train
-from opsd.teacher import INITIAL_WEIGHTS, frozen_copy
-from opsd.trainer.memory_plan import plan_memory
 from opsd.config import load_config
+from opsd.teacher import STUDENT_WEIGHTS, FixedTeacher, frozen_copy
+from opsd.trainer.memory_plan import plan_memory
 from tests.helpers.runs import read_metrics
 
 
-class SnapshotTeacher:
+class SnapshotTeacher(FixedTeacher):
     """`snapshot`: a frozen copy of the student that takes the student's weights every second step
-    (a teacher one to two steps behind, which no built-in mode is)."""
+    (a teacher one to two steps behind, which no built-in mode is). The frozen copy's checkpoint
+    share (its tensors in the train state) is `FixedTeacher`'s; the update and the plan row are new."""
 
-    SAVED_WEIGHTS, HOLDS_COPY, ADDS_EMA_ADAPTER = INITIAL_WEIGHTS, True, False
+    SAVED_WEIGHTS = STUDENT_WEIGHTS  # offline dumps score it with the saved student, at most a step ahead
     built: list["SnapshotTeacher"] = []
 
     def __init__(self, cfg, student, copy_student=frozen_copy):
-        self.mode, self.updates = cfg.mode, 0
-        self.module = self.scorer = copy_student(student)
+        super().__init__(cfg, student, copy_student)
+        self.updates = 0
         SnapshotTeacher.built.append(self)
 
     def update(self, student):
         self.updates += 1
         if self.updates % 2 == 0:
             self.restart_from(student)
-
-    def train_state(self):
-        return get_model_state_dict(self.module)
-
-    def load_train_state(self, state):
-        set_model_state_dict(self.module, state)
-
-    def restart_from(self, student):
-        set_model_state_dict(self.module, get_model_state_dict(student))
-
-    def model_dir(self, student):
-        return None
 
     @staticmethod
     def memory_row(memory):
