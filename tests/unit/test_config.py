@@ -49,7 +49,7 @@ def test_reference_recipe_schedule_warms_up_then_decays_to_its_floor():
 
 
 def test_every_config_field_has_a_docstring():
-    """Each field of opsd/config.py's dataclasses is followed by its docstring (the README links there)."""
+    """Each field of opsd/config.py's dataclasses is followed by its docstring (the docs link there)."""
     tree = ast.parse(Path(config_module.__file__).read_text())
     missing = []
     for node in tree.body:
@@ -77,6 +77,10 @@ def test_overrides_apply_and_parse_yaml_scalars():
         ("rollout", {"engine": "sglang"}, "rollout.engine"),
         ("loss", {"beta": 1.5}, "loss.beta"),
         ("loss", {"clip_mode": "row"}, "loss.clip_mode"),
+        ("loss", {"kind": "ppo"}, "loss.kind: must be one of jsd, tinker, sft"),
+        ("loss", {"kind": "tinker", "top_k": 8}, "loss.top_k: a setting of loss.kind=jsd, not of tinker"),
+        ("loss", {"kind": "tinker", "jsd_weight": 1}, "loss.jsd_weight: loss.kind=tinker calls it loss.tinker_weight"),
+        ("loss", {"kind": "sft", "ce_weight": 0}, "loss.ce_weight"),
         ("teacher", {"mode": "twin"}, "teacher.mode"),
         ("optim", {"lr": "fast"}, "optim.lr"),
         ("train", {"max_steps": 0}, "train.max_steps"),
