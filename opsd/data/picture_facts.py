@@ -1,22 +1,26 @@
 """Picture facts: privileged knowledge shown to the teacher only as a picture (project schema, Visual OPSD).
 
-The facts task (`opsd.data.facts`) with the fact drawn instead of written: each invented person
-has one thing whose colour or shape is the fact ("Zondras's kite is shaped like a star."). The
-student is asked about it with no image at all ("What shape is Zondras's kite?"); the teacher's
-prompt adds one privileged picture of the thing (`opsd.data.pictures`: a star, in some colour, at
-some place), never the words. The teacher must read the picture, and pick the asked attribute of
-it; the student must take the fact into its weights. Held-out question phrasings at evaluation, as
-in the facts task.
+The facts task (`opsd.data.facts`) with the fact's value drawn instead of written: each invented
+person has one thing whose colour or shape is the fact ("Zondras's kite is shaped like a star.").
+The student is asked about it with no image at all ("Name the shape of Zondras's kite."); the
+teacher's prompt adds the fact with its last word replaced by a picture of it ("Fact:\nZondras's
+kite is shaped like a" + a grey star; a colour is a swatch of that colour), so the words of the
+answer never appear, and the picture shows nothing but the answer. The teacher must read the
+picture; the student must take the fact into its weights. Held-out question phrasings at
+evaluation, as in the facts task.
 
 Values are spread evenly: with 8 colour facts each colour is the answer once (so is each shape of
 8 shape facts), so a student that says one colour to every question gains little. Every row's
-picture is drawn anew (place, size, angle, the other attribute) from (seed, split, row).
+picture is drawn anew (shade; a shape's place, size and angle) from (seed, split, row).
 
 Files written by `write_dataset` (parquet, the project schema without problem images; configure
-`columns: {images: []}`):
+`columns: {images: []}` and `prompts.images_after_text: true`):
     train.parquet, eval.parquet   id, question, answer, privileged_images (one picture),
-                                  privileged_text (the fact as a sentence: what `loss.kind=sft` trains on)
+                                  privileged_text (the fact's sentence before its value),
+                                  fact (the whole sentence in words: what `loss.kind=sft` trains on
+                                  with `columns.privileged_text=fact`)
 """
+
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import pathlib
 import random
 
 from opsd.data.facts import Relation, check_fact_count, person_names, question_rows
-from opsd.data.pictures import COLOURS, SHAPES, draw_picture
+from opsd.data.pictures import COLOURS, SHAPES, draw_value
 from opsd.data.synthetic import _png
 
 RELATIONS = (
@@ -81,29 +85,30 @@ def make_facts(seed: int, n: int) -> list[dict]:
     return facts
 
 
-def picture(fact: dict, rng: random.Random, image_size: int):
-    """The fact as a picture: its value, with the other attribute drawn at random."""
-    value = fact["value"]
-    if value in COLOURS:
-        return draw_picture(value, rng.choice(SHAPES), rng, image_size)
-    return draw_picture(rng.choice(list(COLOURS)), value, rng, image_size)
+def fact_parts(fact: dict) -> tuple[str, str]:
+    """(the fact's sentence up to its value: what the teacher reads before the picture, the whole
+    sentence in words)."""
+    sentence = RELATIONS[fact["relation"]].fact.format(who=fact["who"], value=fact["value"])
+    return sentence[: sentence.rindex(fact["value"])].rstrip(), sentence
 
 
 def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, image_size: int = 64):
-    """(train rows, eval rows) as dicts with a PIL `picture`; row i of a split asks about fact
-    i % n_facts with phrasing i // n_facts of that split's phrasings (cycled)."""
+    """(train rows, eval rows) as dicts with a PIL `picture` of the value; row i of a split asks
+    about fact i % n_facts with phrasing i // n_facts of that split's phrasings (cycled)."""
     n_facts = n_eval if n_facts is None else n_facts
     check_fact_count(n_facts, n_eval)
     facts = make_facts(seed, n_facts)
     rows: dict[str, list[dict]] = {"train": [], "eval": []}
     for split, index, fact, question in question_rows(facts, RELATIONS, n_train, n_eval):
         rng = random.Random(f"opsd-picture-facts-row:{seed}:{split}:{index}")
+        before, sentence = fact_parts(fact)
         rows[split].append({
             "id": f"picture-facts-s{seed}-{split}-{index:05d}",
             "question": question.format(who=fact["who"]),
             "answer": fact["value"],
-            "picture": picture(fact, rng, image_size),
-            "privileged_text": RELATIONS[fact["relation"]].fact.format(who=fact["who"], value=fact["value"]),
+            "picture": draw_value(fact["value"], rng, image_size),
+            "privileged_text": before,
+            "fact": sentence,
         })
     return rows["train"], rows["eval"]
 
@@ -112,7 +117,7 @@ def _features():
     from datasets import Features, Image as ImageFeature, Sequence, Value
 
     return Features(id=Value("string"), question=Value("string"), answer=Value("string"),
-                    privileged_images=Sequence(ImageFeature()), privileged_text=Value("string"))
+                    privileged_images=Sequence(ImageFeature()), privileged_text=Value("string"), fact=Value("string"))
 
 
 def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts: int | None = None,
@@ -123,7 +128,7 @@ def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts:
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in zip(("train", "eval"), make_rows(seed, n_train, n_eval, n_facts, image_size)):
-        columns = {key: [r[key] for r in rows] for key in ("id", "question", "answer", "privileged_text")}
+        columns = {key: [r[key] for r in rows] for key in ("id", "question", "answer", "privileged_text", "fact")}
         columns["privileged_images"] = [[_png(r["picture"])] for r in rows]
         Dataset.from_dict(columns, features=_features()).to_parquet(str(out / f"{name}.parquet"))
     return out

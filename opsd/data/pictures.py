@@ -1,8 +1,9 @@
 """Pictures of one coloured shape, drawn with PIL: what the seeing SmolLM2 learns to read.
 
 A picture is one of `SHAPES` filled with one of `COLOURS` on a light background, its size, place,
-angle and shade a little random, so no two are alike. `opsd.smollm2_vlm` teaches a vision tower to name a
-picture's colour and shape; `opsd.data.picture_facts` shows facts to a teacher as such pictures.
+angle and shade a little random, so no two are alike; `draw_value` draws one word of either list
+alone (a swatch of a colour, a shape in grey). `opsd.smollm2_vlm` teaches a vision tower to read
+those as their words; `opsd.data.picture_facts` shows facts' values to a teacher as such pictures.
 Everything is a pure function of the random generator passed in.
 """
 
@@ -65,9 +66,9 @@ def draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: f
         draw.polygon(_polygon(shape, cx, cy, r, angle), fill=fill)
 
 
-def draw_picture(colour: str, shape: str, rng: random.Random, size: int = 64) -> Image.Image:
+def draw_picture(colour: str, shape: str, rng: random.Random, size: int = 64, *, grey: bool = False) -> Image.Image:
     """One `colour` `shape` (names from COLOURS and SHAPES), its place, size, angle, shade and
-    background a little random."""
+    background a little random; `grey`: the shape dark grey instead (`colour` is ignored)."""
     background = rng.choice(BACKGROUNDS)
     image = Image.new("RGB", (size, size), background)
     # Near the centre, large, hardly turned: a 64-pixel picture is 16 patches, and a small tower
@@ -76,6 +77,20 @@ def draw_picture(colour: str, shape: str, rng: random.Random, size: int = 64) ->
     cx = size / 2 + rng.uniform(-0.06, 0.06) * size
     cy = size / 2 + rng.uniform(-0.06, 0.06) * size
     angle = rng.uniform(-0.15, 0.15) if shape != "moon" else rng.uniform(0, 2 * math.pi)
-    fill = tuple(max(0, min(255, c + rng.randint(-12, 12))) for c in COLOURS[colour])
+    fill = (rng.randint(40, 80),) * 3 if grey else _shade(COLOURS[colour], rng)
     draw_shape(ImageDraw.Draw(image), shape, cx, cy, r, angle, fill, background)
     return image
+
+
+def _shade(rgb: tuple[int, int, int], rng: random.Random) -> tuple[int, ...]:
+    return tuple(max(0, min(255, c + rng.randint(-12, 12))) for c in rgb)
+
+
+def draw_value(value: str, rng: random.Random, size: int = 64) -> Image.Image:
+    """One word of COLOURS or SHAPES as a picture that shows only that: a colour as a swatch (the
+    whole picture in it, the shade a little random), a shape in dark grey."""
+    if value in COLOURS:
+        return Image.new("RGB", (size, size), _shade(COLOURS[value], rng))
+    if value in SHAPES:
+        return draw_picture("", value, rng, size, grey=True)
+    raise ValueError(f"{value!r} is neither a colour ({', '.join(COLOURS)}) nor a shape ({', '.join(SHAPES)})")
