@@ -21,6 +21,7 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
         build = {
             "tiny-vlm": tiny_models.build_tiny_vlm,
             "tiny-qwen2.5-vl": tiny_models.build_tiny_qwen25_vl,
+            "tiny-qwen3-vl": tiny_models.build_tiny_qwen3_vl,
             "tiny-text": tiny_models.build_tiny_text_model,
             "smollm2": convert_smollm2.convert,
         }[cfg.build]
