@@ -38,6 +38,22 @@ def test_the_report_says_what_ran_and_what_was_skipped(tmp_path):
         assert "fsdp_nccl_ema_sync: skipped (no CUDA device)" in proc.stdout
 
 
+@pytest.mark.parametrize("fixture", ["tiny_qwen_vl_dir", "tiny_qwen3_vl_dir"])
+def test_the_shaped_checks_inputs_and_scoring_run_on_the_tiny_qwen_vl_models(request, fixture):
+    """What `qwen25vl_7b_shaped` / `qwen3vl_8b_shaped` run on a GPU, on the tiny models of the same
+    families on CPU: the inputs they lay out are ones the model accepts, and every parameter
+    (the vision tower and, for Qwen3-VL, its DeepStack mergers) gets a gradient."""
+    from transformers import AutoModelForImageTextToText
+
+    check = gpu_check()
+    model = AutoModelForImageTextToText.from_pretrained(request.getfixturevalue(fixture), dtype=torch.float32)
+    inputs = check.qwen_vl_inputs(model.config, tokens=300, images=2, device="cpu", side_pixels=128)
+    grid = inputs["image_grid_thw"]
+    assert (inputs["mm_token_type_ids"] == 1).sum() == grid.prod(-1).sum() // 4  # 2x2 merge
+    result = check.forward_backward(model, inputs, completion=16)
+    assert result["ok"] and result["all_parameters_have_grads"] and result["tokens"] == 300, result
+
+
 class Args:
     tokens = 9216
     images = 4
@@ -66,3 +82,13 @@ def test_vllm_sleeps_takes_the_weights_and_matches_the_trainer():
     pytest.importorskip("vllm")
     result = gpu_check().check_vllm_sleep_sync_parity(Args())
     assert result["ok"], result
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_qwen3vl_8b_shaped_model_scores_9k_tokens_with_images():
+    if torch.cuda.get_device_properties(0).total_memory < 60e9:
+        pytest.skip("needs a GPU with 60 GB or more")
+    result = gpu_check().check_qwen3vl_8b_shaped(Args())
+    assert result["ok"], result
+    assert result["parameters"] == 8_767_123_696 and result["tokens"] == 9216 and result["deepstack_layers"] == 3
