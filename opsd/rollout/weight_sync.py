@@ -6,7 +6,10 @@ of `(hf_name, full_tensor)` pairs, then `end_weight_update()`. Buckets bound the
 gathered full tensors (never the whole state dict at once) and keep per-call overhead low.
 
 A receiver may declare `weight_dtype` (a torch dtype; the vLLM engines hold bfloat16 weights in
-bfloat16 runs): tensors are cast to it before anything else happens to them. Sharded (FSDP2)
+bfloat16 runs): tensors are cast to it before anything else happens to them. A receiver that loads
+weights the way it loads a checkpoint (vLLM) declares `checkpoint_names = True` and gets each tensor
+under the name `save_pretrained` writes for it: transformers 5 renames some models' weights when it
+loads them and back when it saves (PaddleOCR-VL's `model.language_model.*` is `model.*` on disk). Sharded (FSDP2)
 models are gathered one FSDP unit at a time (a transformer block, or the root's embeddings and
 head), every parameter of the unit in one all-gather of its shards already cast to that dtype:
 bfloat16 weights move half the bytes of float32 ones.
@@ -36,6 +39,7 @@ class WeightReceiver(Protocol):
 
     # Optional, for `rollout.lora_sync=adapter`: `receive_adapter(update: opsd.lora.AdapterUpdate)`
     # replaces the adapter the engine samples with (the base weights stay).
+    # Optional attributes: `weight_dtype` (cast to it), `checkpoint_names = True` (on-disk names).
 
 
 @dataclass
@@ -123,21 +127,51 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
+def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter name -> the name `save_pretrained` writes for it, where the two differ (transformers'
+    own reverse weight conversion, asked once per model). A conversion that does more than rename
+    (fusing or splitting tensors) is refused: the engine would need the converted tensors."""
+    cached = getattr(model, "_opsd_checkpoint_names", None)
+    if cached is not None:
+        return cached
+    from transformers.core_model_loading import revert_weight_conversion
+
+    # The names a receiver gets: the parameters', or for a LoRA student those of its merged weights.
+    names = [name.replace(".base_layer.", ".") for name, _ in model.named_parameters() if ".lora_" not in name]
+    # Each name carries its index through the conversion; a pure renaming returns every index once.
+    reverted = revert_weight_conversion(model, {name: torch.tensor([i]) for i, name in enumerate(names)})
+    indices = [t.reshape(-1).tolist() for t in reverted.values()]
+    if sorted(i for index in indices for i in index) != list(range(len(names))) or any(len(i) != 1 for i in indices):
+        raise ConfigError(f"weight sync: transformers converts the weights of {type(model).__name__} on save beyond "
+                          "renaming them; opsd cannot hand them to an engine that loads checkpoint names")
+    mapping = {names[index[0]]: saved for saved, index in zip(reverted, indices) if names[index[0]] != saved}
+    model._opsd_checkpoint_names = mapping
+    return mapping
+
+
+def _names_for(model: torch.nn.Module, receiver) -> dict[str, str] | None:
+    return checkpoint_names(model) if getattr(receiver, "checkpoint_names", False) else None
+
+
 def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
     """One update session: every parameter of `model`, in buckets, into `receiver` (gathered in its
     `weight_dtype` when it declares one)."""
     gathered = [0]
-    stats = push_tensors(full_tensors(model, getattr(receiver, "weight_dtype", None), gathered), receiver, bucket_mb=bucket_mb)
+    stats = push_tensors(full_tensors(model, getattr(receiver, "weight_dtype", None), gathered), receiver,
+                         bucket_mb=bucket_mb, names=_names_for(model, receiver))
     stats.gathered_bytes = gathered[0]
     return stats
 
 
-def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
+def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: WeightReceiver, *, bucket_mb: float = 256,
+                 names: dict[str, str] | None = None) -> SyncStats:
     """One update session: `(hf_name, full_tensor)` pairs, in the receiver's `weight_dtype` when it
-    declares one, in buckets, into `receiver`."""
+    declares one, renamed by `names` (`checkpoint_names`), in buckets, into `receiver`."""
     dtype = getattr(receiver, "weight_dtype", None)
     if dtype is not None:
         named_tensors = ((name, t.to(dtype)) for name, t in named_tensors)  # a no-op when gathered in it
+    if names:
+        named_tensors = ((names.get(name, name), t) for name, t in named_tensors)
     start = time.perf_counter()
     total_bytes = count = n_buckets = 0
     receiver.begin_weight_update()
@@ -156,7 +190,7 @@ def sync_student(model: torch.nn.Module, receiver, *, bucket_mb: float = 256, lo
     if not lora.is_lora(model):
         return push_weights(model, receiver, bucket_mb=bucket_mb)
     if lora_sync == "merged":
-        return push_tensors(lora.merged_tensors(model), receiver, bucket_mb=bucket_mb)
+        return push_tensors(lora.merged_tensors(model), receiver, bucket_mb=bucket_mb, names=_names_for(model, receiver))
     start = time.perf_counter()
     update = lora.adapter_update(model)
     receiver.receive_adapter(update)

@@ -24,12 +24,14 @@ def make_engine(kind, model_dir, processor):
 
 
 @pytest.mark.parametrize("kind", [pytest.param("vllm", marks=pytest.mark.vllm), "hf"])
-@pytest.mark.parametrize("model", ["vlm", "text"])
-def test_engine_matches_trainer_before_and_after_update(kind, model, tiny_vlm_dir, tiny_text_dir):
-    model_dir = tiny_vlm_dir if model == "vlm" else tiny_text_dir
+@pytest.mark.parametrize("model", ["vlm", "paddleocr-vl", "text"])
+def test_engine_matches_trainer_before_and_after_update(kind, model, request):
+    """Idefics3 (fixed-size images) and PaddleOCR-VL (flat patches of any aspect ratio, 3-D positions):
+    the two VLM architectures vLLM serves on CPU, and a text model."""
+    model_dir = request.getfixturevalue({"vlm": "tiny_vlm_dir", "paddleocr-vl": "tiny_paddleocr_vl_dir", "text": "tiny_text_dir"}[model])
     processor = load_processor(ModelConfig(path=str(model_dir)))
     trainer = load_model(ModelConfig(path=str(model_dir)), processor, torch.device("cpu"))
-    samples = generate_samples(3, seed=1) if model == "vlm" else text_samples(3)
+    samples = text_samples(3) if model == "text" else generate_samples(3, seed=1)
     prompts = [student_prompt(s, processor, PromptConfig()) for s in samples]
     sampling = SamplingSettings(max_new_tokens=12, n=2, seed=7, banned_token_ids=placeholder_token_ids(processor))
     engine = make_engine(kind, model_dir, processor)
