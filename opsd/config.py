@@ -83,6 +83,12 @@ class ModelConfig:
     vision tower the per-window loop SDPA runs."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter, base weights frozen; None (default) = train all weights."""
+    freeze_vision: bool = False
+    """Vision-language models: freeze the vision tower and the connector (projector / merger), every
+    weight outside the language model and its LM head. They get no gradients and no optimizer state,
+    an EMA or fixed teacher shares them instead of copying them, and after the run's first sync the
+    weight sync leaves them out while the engine keeps its image encodings. With `lora`: no vision
+    adapters (`lora.vision_target_modules` must stay empty)."""
 
 
 @dataclass(config=_STRICT)
@@ -544,6 +550,9 @@ class Config:
             if lora.vision_target_modules:
                 raise ValueError("model.lora.vision_target_modules: adapters on the vision tower are synced merged "
                                  "only; set rollout.lora_sync=merged")
+        if self.model.freeze_vision and lora is not None and lora.vision_target_modules:
+            raise ValueError("model.freeze_vision=true and model.lora.vision_target_modules ask for a frozen vision "
+                             "tower with adapters on it: drop one")
         if self.loss.kind == "sft" and self.loss.ce_weight == 0:
             raise ValueError("loss.kind=sft trains on cross-entropy alone: set loss.ce_weight > 0")
         if self.loss.kind == "sft" and "text" not in self.prompts.privileged:

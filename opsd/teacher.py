@@ -38,7 +38,10 @@ def make_teacher(cfg: TeacherConfig, student: nn.Module):
         return student
     if lora.is_lora(student) and cfg.mode in ("base", "ema"):
         return AdapterTeacher(student, None if cfg.mode == "base" else lora.EMA_ADAPTER)
-    teacher = copy.deepcopy(student)  # `fixed`, and `base` without LoRA: the initial weights
+    # `fixed`, and `base` without LoRA: the initial weights. A frozen part (`model.freeze_vision`) is
+    # the same in both and is shared, not copied: deepcopy takes the memo's parameters as they are.
+    frozen = {} if lora.is_lora(student) else {id(p): p for p in student.parameters() if not p.requires_grad}
+    teacher = copy.deepcopy(student, memo=frozen)
     return teacher.eval().requires_grad_(False)
 
 
@@ -59,9 +62,11 @@ def update_teacher(cfg: TeacherConfig, teacher, student: nn.Module) -> None:
         student_params = [local_tensor(p.detach()) for p in student_params.values()]
     else:
         # Sharded (FSDP) models are updated shard by shard: both are sharded alike, so local shards
-        # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU.
-        teacher_params = [local_tensor(p) for p in teacher.parameters()]
-        student_params = [local_tensor(p.detach()).to(t.device) for p, t in zip(student.parameters(), teacher_params)]
+        # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU. A frozen
+        # student weight (`model.freeze_vision`) is its own EMA: shared, or an unchanged copy when sharded.
+        pairs = [(t, s) for t, s in zip(teacher.parameters(), student.parameters(), strict=True) if s.requires_grad]
+        teacher_params = [local_tensor(t) for t, _ in pairs]
+        student_params = [local_tensor(s.detach()).to(t.device) for (_, s), t in zip(pairs, teacher_params)]
     torch._foreach_lerp_(teacher_params, student_params, 1.0 - cfg.ema_decay)
 
 

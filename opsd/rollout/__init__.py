@@ -24,4 +24,5 @@ def make_engine(cfg, model_path, processor) -> RolloutEngine:
     from opsd.rollout.vllm_args import engine_options
     from opsd.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(**engine_options(cfg, model_path), tensor_parallel_size=cfg.rollout.tensor_parallel_size)
+    return VLLMEngine(**engine_options(cfg, model_path), tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                      frozen_vision=cfg.model.freeze_vision)

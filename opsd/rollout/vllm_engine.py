@@ -57,9 +57,11 @@ class VLLMEngine:
         sleep_mode: bool = RolloutConfig.sleep_mode,
         trust_remote_code: bool = False,
         max_lora_rank: int | None = None,
+        frozen_vision: bool = False,
     ):
         """Defaults are the config's (opsd/config.py); `engine_args` (opsd/rollout/vllm_args.py) says
-        what each option sets in vLLM."""
+        what each option sets in vLLM. `frozen_vision` (`model.freeze_vision`): updates after the
+        first leave the vision tower as it is, so the engine keeps its image encodings."""
         _set_env_defaults()
         check_vllm_version()
         from vllm import LLM
@@ -74,6 +76,8 @@ class VLLMEngine:
         """The engine's weights are `dtype`: the weight sync casts (and gathers) in it."""
         self.checkpoint_names = True
         """vLLM loads weights under their names in the checkpoint files (`weight_sync.checkpoint_names`)."""
+        self.frozen_vision = frozen_vision
+        self.weight_updates = 0
         self.llm = LLM(
             **engine_args(
                 model_path, dtype=dtype, max_model_len=max_model_len, max_images_per_prompt=max_images_per_prompt,
@@ -156,10 +160,13 @@ class VLLMEngine:
         self.llm.collective_rpc(load_bucket, args=(bucket,))
 
     def end_weight_update(self) -> None:
-        self.llm.collective_rpc(finish_reload)
+        # The first update may bring any weights (a checkpoint's); later ones leave a frozen tower be.
+        keep = self.frozen_vision and self.weight_updates > 0
+        self.llm.collective_rpc(finish_reload, args=(keep,))
         self._weights_discarded = False
         self._wake("kv_cache")
-        reset_caches(self.llm)
+        reset_caches(self.llm, keep_image_encodings=keep)
+        self.weight_updates += 1
 
     def receive_adapter(self, update) -> None:
         """Serve a new LoRA adapter (an `opsd.lora.AdapterUpdate`): written as a PEFT directory (in

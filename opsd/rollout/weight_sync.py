@@ -99,12 +99,16 @@ def _gather_unit(params: list[tuple[str, torch.Tensor]], dtype: torch.dtype | No
 
 
 def full_tensors(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, counter: list[int] | None = None
+    model: torch.nn.Module, dtype: torch.dtype | None = None, counter: list[int] | None = None,
+    exclude: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor in `dtype`) for every parameter; a sharded model is gathered unit by unit
-    (`counter[0]` adds up the bytes received)."""
+    """(name, full tensor in `dtype`) for every parameter not in `exclude`; a sharded model is
+    gathered unit by unit, the excluded parameters not at all (`counter[0]` adds up the bytes received)."""
     counter = counter if counter is not None else [0]
     for unit in _units(model):
+        unit = [(name, param) for name, param in unit if name not in exclude]
+        if not unit:
+            continue
         if hasattr(unit[0][1], "to_local"):
             yield from _gather_unit(unit, dtype, counter)
         else:
@@ -153,11 +157,13 @@ def _names_for(model: torch.nn.Module, receiver) -> dict[str, str] | None:
     return checkpoint_names(model) if getattr(receiver, "checkpoint_names", False) else None
 
 
-def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
-    """One update session: every parameter of `model`, in buckets, into `receiver` (gathered in its
-    `weight_dtype` when it declares one)."""
+def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256,
+                 exclude: frozenset[str] = frozenset()) -> SyncStats:
+    """One update session: every parameter of `model` but those in `exclude` (weights the receiver
+    already holds: a frozen vision tower), in buckets, into `receiver` (gathered in its `weight_dtype`
+    when it declares one)."""
     gathered = [0]
-    stats = push_tensors(full_tensors(model, getattr(receiver, "weight_dtype", None), gathered), receiver,
+    stats = push_tensors(full_tensors(model, getattr(receiver, "weight_dtype", None), gathered, exclude), receiver,
                          bucket_mb=bucket_mb, names=_names_for(model, receiver))
     stats.gathered_bytes = gathered[0]
     return stats
@@ -184,13 +190,15 @@ def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: We
     return SyncStats(time.perf_counter() - start, total_bytes, n_buckets, count)
 
 
-def sync_student(model: torch.nn.Module, receiver, *, bucket_mb: float = 256, lora_sync: str = "adapter") -> SyncStats:
+def sync_student(model: torch.nn.Module, receiver, *, bucket_mb: float = 256, lora_sync: str = "adapter",
+                 exclude: frozenset[str] = frozenset()) -> SyncStats:
     """The engine gets the student: all weights, or for a LoRA student its adapter (`lora_sync=adapter`)
-    or its weights with the adapter merged in (`merged`)."""
+    or its weights with the adapter merged in (`merged`); never the weights named in `exclude`."""
     if not lora.is_lora(model):
-        return push_weights(model, receiver, bucket_mb=bucket_mb)
+        return push_weights(model, receiver, bucket_mb=bucket_mb, exclude=exclude)
     if lora_sync == "merged":
-        return push_tensors(lora.merged_tensors(model), receiver, bucket_mb=bucket_mb, names=_names_for(model, receiver))
+        return push_tensors(lora.merged_tensors(model, exclude=exclude), receiver, bucket_mb=bucket_mb,
+                            names=_names_for(model, receiver))
     start = time.perf_counter()
     update = lora.adapter_update(model)
     receiver.receive_adapter(update)

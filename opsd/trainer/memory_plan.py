@@ -80,6 +80,8 @@ class ModelShape:
     """Vision tower: layers, hidden, intermediate, patch, merge, image_size (None = text model)."""
     lora_parameters: int = 0
     """The adapter's parameters when `model.lora` is set (rank x (in + out) per adapted layer)."""
+    vision_parameters: int = 0
+    """The vision tower's and connector's (`modeling.vision_parameter_names`), what `model.freeze_vision` freezes."""
 
 
 def meta_model(config, multimodal: bool) -> torch.nn.Module:
@@ -91,6 +93,7 @@ def meta_model(config, multimodal: bool) -> torch.nn.Module:
 
 
 def model_shape(config, lora: LoraConfig | None = None) -> ModelShape:
+    from opsd.modeling import vision_parameter_names
     from opsd.trainer.fsdp import transformer_blocks
 
     vision_cfg = getattr(config, "vision_config", None)
@@ -121,6 +124,7 @@ def model_shape(config, lora: LoraConfig | None = None) -> ModelShape:
         vocab=text.vocab_size,
         vision=vision,
         lora_parameters=lora_parameters(model, lora) if lora else 0,
+        vision_parameters=sum(model.get_parameter(name).numel() for name in vision_parameter_names(model)),
     )
 
 
@@ -223,13 +227,20 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> Memory
         separate_teacher = cfg.teacher.mode == "fixed"
     else:  # without LoRA, `base` is `fixed`: a copy of the initial weights
         separate_teacher = cfg.teacher.mode != "self"
+        # A frozen vision tower (model.freeze_vision) has no gradients or optimizer state, and a copied
+        # teacher shares it in one process (sharded, each teacher keeps its own shards of it).
+        V = shape.vision_parameters if cfg.model.freeze_vision else 0
+        frozen = f", vision tower frozen ({V / 1e6:.0f}M)" if V else ""
         static = add("student weights", 4 * P / shard, f"float32 master {per}")
-        static += add("gradients", 4 * P / shard, f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else ""))
-        static += add("optimizer", 8 * P / shard, f"AdamW: 2 float32 states {per}")
+        static += add("gradients", 4 * (P - V) / shard,
+                      f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else "") + frozen)
+        static += add("optimizer", 8 * (P - V) / shard, f"AdamW: 2 float32 states {per}{frozen}")
         if separate_teacher and dist.cpu_offload_teacher and world_size > 1:
             static += add(f"teacher ({cfg.teacher.mode})", 0, "shards offloaded to host memory")
         elif separate_teacher:
-            static += add(f"teacher ({cfg.teacher.mode})", 4 * P / shard, f"float32 {per}")
+            shared = V if shard == 1 else 0
+            static += add(f"teacher ({cfg.teacher.mode})", 4 * (P - shared) / shard,
+                          f"float32 {per}" + (", the frozen vision tower shared with the student" if shared else ""))
         else:
             static += add(f"teacher ({cfg.teacher.mode})", 0, "the student's own weights")
     static += add("CUDA context, NCCL, slack", CONTEXT_GB * GB, "estimate")

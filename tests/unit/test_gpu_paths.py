@@ -42,6 +42,7 @@ def sleeping_engine() -> VLLMEngine:
     engine.llm, engine.sleep_mode, engine._asleep, engine._weights_discarded = FakeLLM(), True, set(), False
     engine.tensor_parallel_size = 1
     engine._adapter_root, engine._lora_request = None, None
+    engine.frozen_vision, engine.weight_updates = False, 0
     return engine
 
 
