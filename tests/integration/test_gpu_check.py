@@ -68,12 +68,16 @@ def test_fsdp_on_nccl_trains_with_an_ema_teacher_and_syncs_in_bfloat16():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_qwen25vl_7b_shaped_model_scores_9k_tokens_with_images():
+@pytest.mark.parametrize("check, parameters, deepstack", [
+    ("check_qwen25vl_7b_shaped", 8_292_166_656, 0),  # Qwen2.5-VL-7B with its vision tower
+    ("check_qwen3vl_8b_shaped", 8_767_123_696, 3),  # Qwen3-VL-8B, DeepStack from 3 vision blocks
+])
+def test_a_7b_or_8b_shaped_qwen_vl_scores_9k_tokens_with_images(check, parameters, deepstack):
     if torch.cuda.get_device_properties(0).total_memory < 60e9:
         pytest.skip("needs a GPU with 60 GB or more")
-    result = gpu_check().check_qwen25vl_7b_shaped(Args())
+    result = getattr(gpu_check(), check)(Args())
     assert result["ok"], result
-    assert result["parameters"] == 8_292_166_656 and result["tokens"] == 9216
+    assert result["parameters"] == parameters and result["tokens"] == 9216 and result["deepstack_layers"] == deepstack
 
 
 @pytest.mark.gpu
@@ -83,12 +87,3 @@ def test_vllm_sleeps_takes_the_weights_and_matches_the_trainer():
     result = gpu_check().check_vllm_sleep_sync_parity(Args())
     assert result["ok"], result
 
-
-@pytest.mark.gpu
-@needs_cuda
-def test_a_qwen3vl_8b_shaped_model_scores_9k_tokens_with_images():
-    if torch.cuda.get_device_properties(0).total_memory < 60e9:
-        pytest.skip("needs a GPU with 60 GB or more")
-    result = gpu_check().check_qwen3vl_8b_shaped(Args())
-    assert result["ok"], result
-    assert result["parameters"] == 8_767_123_696 and result["tokens"] == 9216 and result["deepstack_layers"] == 3
