@@ -9,7 +9,7 @@ from opsd.lora import add_lora
 from opsd.modeling import load_model, load_processor, vision_parameter_names
 from opsd.rollout.weight_sync import push_weights, sync_student
 from opsd.teacher import make_teacher, update_teacher
-from opsd.trainer.checkpoint import load_checkpoint, save_checkpoint
+from opsd.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from opsd.trainer.memory_plan import GB, plan_memory
 from opsd.trainer.optim import build_optimizer
 from tests.helpers.parts import assert_same_tensors, make_parts, take_steps
@@ -110,3 +110,10 @@ def test_a_frozen_vision_checkpoint_restores_exactly(tmp_path, tiny_vlm_dir):
     for index, state in saved["state"].items():
         assert_same_tensors(state, loaded["state"][index])
     assert all(torch.equal(p, initial[n]) for n, p in fresh.student.named_parameters() if n in initial)
+
+    # Resuming it unfrozen would need optimizer state it never had: refused, saying what to do.
+    unfrozen = make_parts(tiny_vlm_dir)
+    with pytest.raises(CheckpointError, match="model.freeze_vision=true"):
+        load_checkpoint(path, unfrozen)
+    load_checkpoint(path, unfrozen, weights_only=True)  # its weights are fine to start from
+    assert_same_tensors(unfrozen.student.state_dict(), parts.student.state_dict())
