@@ -30,7 +30,8 @@ def test_ten_frozen_vision_steps_sync_less_keep_encodings_and_leave_the_tower_un
     monkeypatch.setattr(opsd.rollout.vllm_engine, "reset_caches", recording_reset)
     cfg = load_config("configs/demo.yaml", [
         f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}",
-        "model.freeze_vision=true", "train.max_steps=10", "train.grad_accum_steps=1", "rollout.max_new_tokens=12",
+        "model.freeze_vision=true", "train.max_steps=10", "train.prompts_per_micro_step=1", "train.grad_accum_steps=1",
+        "rollout.max_new_tokens=12",
         "eval.every=0", "checkpoint.save_every=0", "checkpoint.resume_from=null", "logging.progress_bar=false",
     ])
     out = train(cfg)

@@ -19,7 +19,7 @@ def test_three_steps_on_thinkmorph_rows_with_the_hf_engine(tmp_path, request, bu
         f"model.path={model_dir}", f"model.build={build}", "rollout.engine=hf",
         "data.path=null", f"data.datasets=[{{path: {data}, schema: thinkmorph}}]", "data.synthetic=null",
         f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "train.max_steps=3",
-        "rollout.max_new_tokens=12", "eval.every=0", "checkpoint.save_every=0",
+        "rollout.max_new_tokens=12", "train.grad_accum_steps=1", "eval.every=0", "checkpoint.save_every=0",
     ])
     out = train(cfg)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
