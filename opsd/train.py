@@ -78,8 +78,8 @@ def train(cfg: Config) -> Path:
                 metrics = update_student(run, examples, step_tokens, recorder, samples[0])
                 advance_schedules(run)
             with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
-                sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb,
-                                    lora_sync=cfg.rollout.lora_sync, exclude=run.frozen)
+                sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
+                                    exclude=run.frozen if getattr(run.engine, "keeps_weights", True) else frozenset())
             record = {**metrics, **counts, "lr": lr, **timer.record(),
                       "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
             finish_step(run, step, record, rollouts=(recorder, examples, samples) if recorder else None)
@@ -105,7 +105,8 @@ class Run:
     logger: MetricsLogger | NullMetricsLogger
     checkpoints: CheckpointManager
     frozen: frozenset[str] = frozenset()
-    """Weights that never change (`model.freeze_vision`): after the first sync, never sent again."""
+    """Weights that never change (`model.freeze_vision`): after the first sync, not sent again to an
+    engine that keeps its weights (`keeps_weights`; one sleeping at level 2 on a GPU does not)."""
     start_step: int = 0
     started: float = field(default_factory=time.perf_counter)
 

@@ -106,6 +106,12 @@ class VLLMEngine:
             self._weights_discarded = not lora
             torch.cuda.empty_cache()
 
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether weights it was sent stay until the next update. Not when it sleeps at level 2: every
+        update must then bring all of them, a frozen vision tower's too (`sync_student`'s `exclude`)."""
+        return not self.sleep_mode or self._adapter_root is not None
+
     def _wake(self, *tags: str) -> None:
         tags = [t for t in tags if t in self._asleep]
         if tags:

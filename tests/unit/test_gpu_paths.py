@@ -60,6 +60,7 @@ def test_engine_sleeps_at_level_2_and_needs_a_weight_update_before_sampling():
         ("wake_up", ("kv_cache",)),
     ]
     assert engine.generate([], None) == []  # awake with the new weights
+    assert not engine.keeps_weights  # level 2: a frozen vision tower must come with every update
     engine.release_memory()
     engine.release_memory()  # asleep already: one sleep
     assert engine.llm.calls.count(("sleep", 2)) == 2
@@ -68,6 +69,7 @@ def test_engine_sleeps_at_level_2_and_needs_a_weight_update_before_sampling():
 def test_engine_with_adapters_sleeps_at_level_1_and_keeps_its_base_weights(tmp_path, monkeypatch):
     engine = sleeping_engine()
     engine._adapter_root = tmp_path  # adapter sync: the base weights are never pushed again
+    assert engine.keeps_weights
     engine.release_memory()
     assert engine.llm.calls == [("sleep", 1)]
     assert not engine._weights_discarded
