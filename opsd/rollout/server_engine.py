@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from opsd.prompts import Prompt
-from opsd.rollout.engine import Completion, SamplingSettings
+from opsd.prompts import Prompt, tokenizer_of
+from opsd.rollout.engine import Completion, EngineCapabilities, SamplingSettings
 from opsd.rollout.receivers import save_bucket
 from opsd.rollout.vllm_args import sampling_params
 
@@ -69,12 +69,12 @@ class ServerEngine:
         frozen_vision: bool = False,
     ):
         self.url = url
-        self.weight_dtype = weight_dtype
-        """The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16)."""
-        self.checkpoint_names = True  # the server's vLLM loads weights under their checkpoint names
+        # The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16);
+        # the server's vLLM loads weights under their checkpoint names.
+        self.capabilities = EngineCapabilities(weight_dtype=weight_dtype, checkpoint_names=True)
         self.frozen_vision = frozen_vision  # as VLLMEngine's: updates after the first keep the image encodings
         self.weight_updates = 0
-        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.tokenizer = tokenizer_of(processor)
         self.client = httpx.Client(base_url=url, timeout=request_timeout_s)
         self._wait_until_ready(startup_timeout_s)
         self.model = self._call("GET", "/v1/models")["data"][0]["id"]

@@ -1,15 +1,17 @@
 """Weight sync: stream the trainer's weights into a rollout engine in size-bounded buckets.
 
-A receiver (any rollout engine, or a user's own object pushing weights elsewhere) gets one update
-session per optimizer step: `begin_weight_update()`, then `receive_weights(bucket)` for each bucket
-of `(hf_name, full_tensor)` pairs, then `end_weight_update()`. Buckets bound the memory of the
-gathered full tensors (never the whole state dict at once) and keep per-call overhead low.
+A receiver (`WeightReceiver`, opsd/rollout/engine.py: any rollout engine, or a user's own object
+pushing weights elsewhere) gets one update session per optimizer step: `begin_weight_update()`,
+then `receive_weights(bucket)` for each bucket of `(hf_name, full_tensor)` pairs, then
+`end_weight_update()`. Buckets bound the memory of the gathered full tensors (never the whole state
+dict at once) and keep per-call overhead low; a tensor larger than a bucket travels alone.
 
-A receiver may declare `weight_dtype` (a torch dtype; the vLLM engines hold bfloat16 weights in
-bfloat16 runs): tensors are cast to it before anything else happens to them. A receiver that loads
-weights the way it loads a checkpoint (vLLM) declares `checkpoint_names = True` and gets each tensor
-under the name `save_pretrained` writes for it: transformers 5 renames some models' weights when it
-loads them and back when it saves (PaddleOCR-VL's `model.language_model.*` is `model.*` on disk). Sharded (FSDP2)
+Tensors go in `dtype` when one is given (an engine's `capabilities.weight_dtype`: the vLLM engines
+hold bfloat16 weights in bfloat16 runs), cast before anything else happens to them, and under the
+names `names` gives (an engine that loads weights the way it loads a checkpoint, vLLM, declares
+`capabilities.checkpoint_names` and gets each tensor under the name `save_pretrained` writes for it:
+transformers 5 renames some models' weights when it loads them and back when it saves, PaddleOCR-VL's
+`model.language_model.*` is `model.*` on disk). Sharded (FSDP2)
 models are gathered one FSDP unit at a time (a transformer block, or the root's embeddings and
 head), every parameter of the unit in one all-gather of its shards already cast to that dtype:
 bfloat16 weights move half the bytes of float32 ones.
@@ -22,24 +24,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator
 
 import torch
 
 from opsd import lora
 from opsd.config import ConfigError
-
-
-class WeightReceiver(Protocol):
-    def begin_weight_update(self) -> None: ...
-
-    def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None: ...
-
-    def end_weight_update(self) -> None: ...
-
-    # Optional, for `rollout.lora_sync=adapter`: `receive_adapter(update: opsd.lora.AdapterUpdate)`
-    # replaces the adapter the engine samples with (the base weights stay).
-    # Optional attributes: `weight_dtype` (cast to it), `checkpoint_names = True` (on-disk names).
+from opsd.rollout.engine import RolloutEngine, WeightReceiver
 
 
 @dataclass
@@ -153,27 +144,23 @@ def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
     return mapping
 
 
-def _names_for(model: torch.nn.Module, receiver) -> dict[str, str] | None:
-    return checkpoint_names(model) if getattr(receiver, "checkpoint_names", False) else None
-
-
 def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256,
+                 dtype: torch.dtype | None = None, names: dict[str, str] | None = None,
                  exclude: frozenset[str] = frozenset()) -> SyncStats:
     """One update session: every parameter of `model` but those in `exclude` (weights the receiver
-    already holds: a frozen vision tower), in buckets, into `receiver` (gathered in its `weight_dtype`
-    when it declares one)."""
+    already holds: a frozen vision tower), in buckets, into `receiver` (gathered in `dtype` when
+    given, renamed by `names`)."""
     gathered = [0]
-    stats = push_tensors(full_tensors(model, getattr(receiver, "weight_dtype", None), gathered, exclude), receiver,
-                         bucket_mb=bucket_mb, names=_names_for(model, receiver))
+    stats = push_tensors(full_tensors(model, dtype, gathered, exclude), receiver, bucket_mb=bucket_mb, dtype=dtype,
+                         names=names)
     stats.gathered_bytes = gathered[0]
     return stats
 
 
 def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: WeightReceiver, *, bucket_mb: float = 256,
-                 names: dict[str, str] | None = None) -> SyncStats:
-    """One update session: `(hf_name, full_tensor)` pairs, in the receiver's `weight_dtype` when it
-    declares one, renamed by `names` (`checkpoint_names`), in buckets, into `receiver`."""
-    dtype = getattr(receiver, "weight_dtype", None)
+                 dtype: torch.dtype | None = None, names: dict[str, str] | None = None) -> SyncStats:
+    """One update session: `(hf_name, full_tensor)` pairs, in `dtype` when given, renamed by `names`
+    (`checkpoint_names`), in buckets, into `receiver`."""
     if dtype is not None:
         named_tensors = ((name, t.to(dtype)) for name, t in named_tensors)  # a no-op when gathered in it
     if names:
@@ -190,25 +177,31 @@ def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: We
     return SyncStats(time.perf_counter() - start, total_bytes, n_buckets, count)
 
 
-def sync_student(model: torch.nn.Module, receiver, *, bucket_mb: float = 256, lora_sync: str = "adapter",
+def sync_student(model: torch.nn.Module, engine: RolloutEngine, *, bucket_mb: float = 256, lora_sync: str = "adapter",
                  exclude: frozenset[str] = frozenset()) -> SyncStats:
-    """The engine gets the student: all weights, or for a LoRA student its adapter (`lora_sync=adapter`)
-    or its weights with the adapter merged in (`merged`); never the weights named in `exclude`."""
+    """The engine gets the student, in its `capabilities.weight_dtype`: all weights, or for a LoRA
+    student its adapter (`lora_sync=adapter`) or its weights with the adapter merged in (`merged`).
+    Never the weights named in `exclude` (a frozen vision tower the engine already holds), unless the
+    engine discards its weights while released (`capabilities.discards_weights`)."""
+    capabilities = engine.capabilities
+    dtype = capabilities.weight_dtype
+    names = checkpoint_names(model) if capabilities.checkpoint_names else None
+    exclude = frozenset() if capabilities.discards_weights else exclude
     if not lora.is_lora(model):
-        return push_weights(model, receiver, bucket_mb=bucket_mb, exclude=exclude)
+        return push_weights(model, engine, bucket_mb=bucket_mb, dtype=dtype, names=names, exclude=exclude)
     if lora_sync == "merged":
-        return push_tensors(lora.merged_tensors(model, exclude=exclude), receiver, bucket_mb=bucket_mb,
-                            names=_names_for(model, receiver))
+        return push_tensors(lora.merged_tensors(model, exclude=exclude), engine, bucket_mb=bucket_mb, dtype=dtype,
+                            names=names)
     start = time.perf_counter()
     update = lora.adapter_update(model)
-    receiver.receive_adapter(update)
+    engine.receive_adapter(update)
     return SyncStats(time.perf_counter() - start, update.bytes, 1, len(update.tensors))
 
 
-def check_adapter_receiver(receiver) -> None:
+def check_adapter_receiver(engine: RolloutEngine) -> None:
     """`rollout.lora_sync=adapter` needs an engine that serves adapters; say so before training starts."""
-    if not callable(getattr(receiver, "receive_adapter", None)):
+    if not engine.capabilities.receive_adapter:
         raise ConfigError(
-            f"rollout.lora_sync=adapter: the rollout engine {type(receiver).__name__} has no receive_adapter(update) "
-            "method; set rollout.lora_sync=merged to push full weights with the adapter merged in"
+            f"rollout.lora_sync=adapter: the rollout engine {type(engine).__name__} has no receive_adapter (its "
+            "capabilities.receive_adapter is false); set rollout.lora_sync=merged to push full weights with the adapter merged in"
         )

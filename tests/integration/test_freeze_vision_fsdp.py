@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from opsd.config import DistributedConfig, LossConfig, ModelConfig, PromptConfig, TeacherConfig
+from opsd.config import DistributedConfig, JsdLossConfig, ModelConfig, PromptConfig, TeacherConfig
 from opsd.data.synthetic import generate_samples
 from opsd.modeling import empty_model, load_model, load_processor, vision_parameter_names
 from opsd.prompts import student_prompt, teacher_prompt
@@ -15,13 +15,15 @@ from tests.helpers.spawn import run_two_ranks
 
 
 def _worker(rank, port, model_dir, out_dir):
+    from opsd.config import OptimConfig
+    from opsd.loss_kinds import build_loss
     from opsd.rollout.weight_sync import full_tensors
-    from opsd.teacher import update_teacher
+    from opsd.scoring import Scoring
+    from opsd.teacher import make_teacher
     from opsd.trainer.distributed import Ranks, build_mesh
     from opsd.trainer.fsdp import copy_of_shards, load_sharded
     from opsd.trainer.optim import build_optimizer
-    from opsd.trainer.step import train_step
-    from opsd.config import OptimConfig
+    from opsd.trainer.step import TrainStep
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     cpu, dist_cfg = torch.device("cpu"), DistributedConfig()
@@ -30,10 +32,11 @@ def _worker(rank, port, model_dir, out_dir):
     processor = load_processor(cfg)
     read = lambda: load_model(cfg, processor, cpu).state_dict()  # noqa: E731
     student = load_sharded(empty_model(cfg, processor), read, ranks, dist_cfg, trainable=True)
-    teacher = copy_of_shards(empty_model(cfg, processor), student, ranks, dist_cfg)
+    copy_shards = lambda s: copy_of_shards(empty_model(cfg, processor), s, ranks, dist_cfg)  # noqa: E731
+    teacher = make_teacher(TeacherConfig(mode="ema", ema_decay=0.5), student, copy_shards)
     vision = frozenset(vision_parameter_names(student))
     before = {n: p.detach().full_tensor() for n, p in student.named_parameters()}
-    teacher_before = {n: p.detach().full_tensor() for n, p in teacher.named_parameters()}
+    teacher_before = {n: p.detach().full_tensor() for n, p in teacher.module.named_parameters()}
 
     sample = generate_samples(2, seed=rank)[rank]
     student_ids = encode_prompt(processor, student_prompt(sample, processor, PromptConfig()))
@@ -43,12 +46,12 @@ def _worker(rank, port, model_dir, out_dir):
     grads = set()  # the step zeroes gradients after it: see them just before the optimizer step
     optimizer.register_step_pre_hook(
         lambda *_: grads.update(n for n, p in student.named_parameters() if p.grad is not None))
-    train_step(student, teacher, examples, optimizer, loss_cfg=LossConfig(top_k=16, ce_weight=1.0), micro_batch_size=1,
-               max_grad_norm=1.0, dtype="float32", pad_id=processor.tokenizer.pad_token_id, ranks=ranks, total_tokens=8)
-    update_teacher(TeacherConfig(mode="ema", ema_decay=0.5), teacher, student)
+    scoring = Scoring(build_loss(JsdLossConfig(top_k=16, ce_weight=1.0)), pad_id=processor.tokenizer.pad_token_id)
+    TrainStep(student, teacher.scorer, optimizer, scoring, max_grad_norm=1.0, ranks=ranks)(examples, total_tokens=8)
+    teacher.update(student)
     with_state = {n for n, p in student.named_parameters() if p in optimizer.state}
     after = {n: p.detach().full_tensor() for n, p in student.named_parameters()}
-    teacher_after = {n: p.detach().full_tensor() for n, p in teacher.named_parameters()}
+    teacher_after = {n: p.detach().full_tensor() for n, p in teacher.module.named_parameters()}
     every, without = [0], [0]
     names = [n for n, _ in full_tensors(student, None, every)]
     kept = [n for n, _ in full_tensors(student, None, without, exclude=vision)]

@@ -65,8 +65,9 @@ def test_the_engine_keeps_image_encodings_across_syncs_that_leave_the_tower_alon
     from opsd.data.synthetic import generate_samples
     from opsd.prompts import placeholder_token_ids, student_prompt
     from opsd.rollout.engine import SamplingSettings
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
-    from opsd.rollout.weight_sync import push_weights
+    from opsd.rollout.weight_sync import sync_student
     from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
 
     cfg = ModelConfig(path=str(tiny_vlm_dir), freeze_vision=True)
@@ -75,8 +76,8 @@ def test_the_engine_keeps_image_encodings_across_syncs_that_leave_the_tower_alon
     vision = frozenset(vision_parameter_names(trainer))
     prompts = [student_prompt(s, processor, PromptConfig()) for s in generate_samples(2, seed=4)]
     sampling = SamplingSettings(max_new_tokens=8, seed=1, banned_token_ids=placeholder_token_ids(processor))
-    engine = VLLMEngine(str(tiny_vlm_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64,
-                        enforce_eager=True, frozen_vision=True)
+    engine = VLLMEngine(VLLMOptions(str(tiny_vlm_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64,
+                                    enforce_eager=True, frozen_vision=True))
 
     def gap():
         completions = engine.generate(prompts, sampling)  # the same images every time
@@ -89,13 +90,13 @@ def test_the_engine_keeps_image_encodings_across_syncs_that_leave_the_tower_alon
                     p.add_(torch.randn_like(p) * 0.05)
 
     try:
-        push_weights(trainer, engine)  # the start-up sync: everything, encodings reset
+        sync_student(trainer, engine)  # the start-up sync: everything, encodings reset
         assert gap() < TOLERANCE
         nudge({n for n, _ in trainer.named_parameters()} - vision)
-        push_weights(trainer, engine, exclude=vision)
+        sync_student(trainer, engine, exclude=vision)
         assert gap() < TOLERANCE  # kept encodings, still right: the tower did not change
         nudge(vision)
-        push_weights(trainer, engine)  # the tower changed behind a frozen-vision engine's back
+        sync_student(trainer, engine)  # the tower changed behind a frozen-vision engine's back
         assert gap() > 1e-3  # the kept encodings are stale: they were not recomputed
     finally:
         engine.close()

@@ -24,6 +24,7 @@ from tests.helpers.tiny_inputs import vlm_messages
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_learned_position_grid_is_resampled_differently_by_transformers_and_vllm(tmp_path):
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
 
     model_dir = build_tiny_paddleocr_vl(tmp_path / "paddle-grid-4", position_grid=4)  # 56 x 56 pixels
@@ -31,7 +32,7 @@ def test_a_learned_position_grid_is_resampled_differently_by_transformers_and_vl
     trainer = load_model(ModelConfig(path=str(model_dir)), processor, torch.device("cpu"))
     text = processor.apply_chat_template(vlm_messages(1), add_generation_prompt=True, tokenize=False)
     same_grid, other_grid = Prompt(text, [Image.new("RGB", (56, 56), (0, 170, 0))]), Prompt(text, [Image.new("RGB", (112, 60), (0, 170, 0))])
-    engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+    engine = VLLMEngine(VLLMOptions(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     try:
         gaps = []
         for prompt in (same_grid, other_grid):

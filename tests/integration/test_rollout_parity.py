@@ -6,7 +6,7 @@ import torch
 from opsd.config import ModelConfig, PromptConfig
 from opsd.data.synthetic import generate_samples
 from opsd.modeling import load_model, load_processor
-from opsd.rollout.weight_sync import push_weights
+from opsd.rollout.weight_sync import push_weights, sync_student
 from opsd.prompts import placeholder_token_ids, student_prompt
 from opsd.rollout.engine import SamplingSettings
 from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
@@ -15,9 +15,10 @@ from tests.helpers.samples import text_samples
 
 def make_engine(kind, model_dir, processor):
     if kind == "vllm":
+        from opsd.rollout.vllm_args import VLLMOptions
         from opsd.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+        return VLLMEngine(VLLMOptions(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     from opsd.rollout.hf_engine import HFEngine
 
     return HFEngine(load_model(ModelConfig(path=str(model_dir)), processor, torch.device("cpu")), processor)
@@ -52,7 +53,8 @@ def test_engine_matches_trainer_before_and_after_update(kind, model, request):
         stale = (trainer_logprobs(trainer, processor, prompts, first) - engine_logprobs(first)).abs().max()
         assert stale > 1e-2  # the check below can fail: old weights disagree
 
-        stats = push_weights(trainer, engine, bucket_mb=0.05)  # small buckets split fused layers
+        # As a run syncs (PaddleOCR-VL's weights go to vLLM under their on-disk names); small buckets split fused layers.
+        stats = sync_student(trainer, engine, bucket_mb=0.05)
         assert stats.buckets > 10 and stats.tensors == len(list(trainer.parameters()))
         second = engine.generate(prompts, sampling)
         gap = (trainer_logprobs(trainer, processor, prompts, second) - engine_logprobs(second)).abs().max()
@@ -65,11 +67,12 @@ def test_engine_matches_trainer_before_and_after_update(kind, model, request):
 def test_vllm_update_changes_engine_weights(tiny_vlm_dir):
     """Digests of the engine's parameters move with an update (CPU prepacks linear layers, whose
     parameter objects are left empty; norms, embeddings and biases are still visible)."""
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
 
     processor = load_processor(ModelConfig(path=str(tiny_vlm_dir)))
     trainer = load_model(ModelConfig(path=str(tiny_vlm_dir)), processor, torch.device("cpu"))
-    engine = VLLMEngine(str(tiny_vlm_dir), max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+    engine = VLLMEngine(VLLMOptions(str(tiny_vlm_dir), max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     try:
         before = engine.weight_checksums()
         push_weights(trainer, engine, bucket_mb=0.05)
@@ -90,11 +93,12 @@ def test_vllm_seeded_sampling_of_a_batch_larger_than_one_prefill_step(tiny_text_
     """vLLM 0.32 on CPU crashes when a seeded request's prefill is split across scheduler steps
     ("CPU Generator does not use offset"); the engine's token budget keeps the prefill in one step."""
     from opsd.prompts import Prompt
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
 
     words = " ".join(["step path maze grid answer think"] * 20)
     prompts = [Prompt(f"<|im_start|>user\n{i} {words}<|im_end|>\n<|im_start|>assistant\n", []) for i in range(40)]
-    engine = VLLMEngine(str(tiny_text_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+    engine = VLLMEngine(VLLMOptions(str(tiny_text_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     try:
         assert sum(len(engine.tokenizer(p.text)["input_ids"]) for p in prompts) > 4096  # vLLM's default budget
         completions = engine.generate(prompts, SamplingSettings(max_new_tokens=4, seed=1))

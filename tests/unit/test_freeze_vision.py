@@ -7,8 +7,9 @@ import torch
 from opsd.config import ConfigError, LoraConfig, ModelConfig, TeacherConfig, load_config
 from opsd.lora import add_lora
 from opsd.modeling import load_model, load_processor, vision_parameter_names
+from opsd.rollout.engine import EngineCapabilities
 from opsd.rollout.weight_sync import push_weights, sync_student
-from opsd.teacher import make_teacher, update_teacher
+from opsd.teacher import make_teacher
 from opsd.trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from opsd.trainer.memory_plan import GB, plan_memory
 from opsd.trainer.optim import build_optimizer
@@ -49,8 +50,8 @@ def test_a_text_model_or_vision_adapters_beside_a_frozen_tower_are_refused(tiny_
 @pytest.mark.parametrize("mode", ["ema", "fixed"])
 def test_the_teacher_shares_the_frozen_tower_and_its_ema_leaves_it(tiny_vlm_dir, mode):
     student = frozen_model(tiny_vlm_dir)
-    teacher = make_teacher(TeacherConfig(mode=mode), student)
-    s, t = dict(student.named_parameters()), dict(teacher.named_parameters())
+    teacher = make_teacher(TeacherConfig(mode=mode, ema_decay=0.5), student)
+    s, t = dict(student.named_parameters()), dict(teacher.module.named_parameters())
     frozen = set(vision_parameter_names(student))
     assert all(t[name] is s[name] for name in frozen)  # shared, not copied
     assert all(t[name] is not s[name] for name in s if name not in frozen)
@@ -58,7 +59,7 @@ def test_the_teacher_shares_the_frozen_tower_and_its_ema_leaves_it(tiny_vlm_dir,
         for name in s.keys() - frozen:
             s[name].add_(1.0)  # a student step
     before = {name: p.clone() for name, p in t.items()}
-    update_teacher(TeacherConfig(mode=mode, ema_decay=0.5), teacher, student)
+    teacher.update(student)
     moved = {name for name in t if not torch.equal(t[name], before[name])}
     assert moved == (s.keys() - frozen if mode == "ema" else set())
 
@@ -77,9 +78,13 @@ def test_the_sync_leaves_out_exactly_the_frozen_weights_in_full_and_merged_lora_
     assert vision_bytes > 0 and full.bytes - part.bytes == vision_bytes
 
     lora_student = add_lora(frozen_model(tiny_vlm_dir), LoraConfig(rank=4))
-    merged = Recorder()
+    merged = Recorder(EngineCapabilities())
     sync_student(lora_student, merged, lora_sync="merged", exclude=frozen)
     assert {name for event in merged.events[1:-1] for name, _ in event} == set(sent)
+
+    # An engine that drops its weights while released (vLLM asleep at level 2) gets the tower too.
+    dropping = Recorder(EngineCapabilities(discards_weights=True))
+    assert sync_student(student, dropping, exclude=frozen).bytes == full.bytes
 
 
 def test_the_memory_plan_counts_no_gradients_optimizer_state_or_teacher_copy_for_the_frozen_tower(tiny_vlm_dir):
@@ -103,7 +108,7 @@ def test_a_frozen_vision_checkpoint_restores_exactly(tmp_path, tiny_vlm_dir):
     take_steps(fresh, 1)
     load_checkpoint(path, fresh)
     assert_same_tensors(fresh.student.state_dict(), parts.student.state_dict())
-    assert_same_tensors(fresh.teacher.state_dict(), parts.teacher.state_dict())
+    assert_same_tensors(fresh.teacher.module.state_dict(), parts.teacher.module.state_dict())
     saved, loaded = parts.optimizer.state_dict(), fresh.optimizer.state_dict()
     trainable = sum(p.requires_grad for p in parts.student.parameters())
     assert len(saved["state"]) == len(loaded["state"]) == trainable < len(list(parts.student.parameters()))
