@@ -99,6 +99,9 @@ class SyntheticDataConfig:
     """grid-paths only."""
     n_facts: Annotated[int, Field(gt=0)] | None = None
     """facts only: how many facts the questions are about (default n_eval, one held-out question each)."""
+    n_validation: Annotated[int, Field(ge=0)] = 0
+    """facts only: rows of a `validation` split, asked with phrasings used neither in training nor in
+    `eval`: choose settings on it (`eval_split: validation`), report on `eval`; 0 = none."""
 
 
 SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text"}
