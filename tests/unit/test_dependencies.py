@@ -3,7 +3,7 @@
     config <- data <- prompts <- sequences <- scoring <- teacher <- trainer <- train (the recipe)
     loss, device: leaves (tensor math; where the process runs), importable from any layer
     models (modeling, tiny_models, convert_smollm2, vl_processor, lora): config and prompts
-    rollout: prompts and below, models; evaluation: rollout and prompts
+    rollout: prompts and below, models; evaluation (and retention): rollout, prompts, sequences, scoring
     dumps: scoring, rollout, evaluation, the checkpoint format; the recipe and CLIs: everything
 
 Every `import`, including those inside functions, counts; nothing imports the recipe.
@@ -28,7 +28,7 @@ GROUPS = {  # group: module prefixes
     "teacher": ["opsd.teacher"],
     "trainer": ["opsd.trainer"],
     "rollout": ["opsd.rollout"],
-    "evaluation": ["opsd.evaluation"],
+    "evaluation": ["opsd.evaluation", "opsd.retention"],
     "dumps": ["opsd.dumps", "opsd.rollouts"],
     "cli": ["opsd.export", "opsd.check"],
     "recipe": ["opsd.train"],
@@ -48,7 +48,8 @@ MAY_IMPORT = {  # group: the groups (or module prefixes) it may import, besides 
     "teacher": {"config", "data", "prompts", "sequences", "scoring", "models"},  # models: LoRA adapter teachers
     "trainer": {"config", "data", "prompts", "sequences", "scoring", "teacher", "models"},
     "rollout": {"config", "data", "prompts", "models"},
-    "evaluation": {"config", "data", "prompts", "rollout"},
+    # The retention probe scores a text with the trainer's model, as scoring does.
+    "evaluation": {"config", "data", "prompts", "rollout", "sequences", "scoring"},
     "dumps": {"config", "data", "prompts", "sequences", "scoring", "models", "rollout", "evaluation",
               "opsd.trainer.checkpoint"},
     "cli": set(GROUPS) - {"recipe"},
