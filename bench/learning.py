@@ -172,14 +172,17 @@ def opsd_vs_sft(runs: dict, steps: int, within_points: float = 10.0) -> dict | N
     sft_end = sft[-1]
     target = sft_end["student_accuracy"] - within_points / 100
     in_time = [e for e in opsd if e["train_s"] <= sft_end["train_s"]]
+    after = [e for e in opsd if e["train_s"] > sft_end["train_s"]]
     reached = next((e for e in opsd if e["student_accuracy"] >= target - 1e-9), None)
     best = max(opsd, key=lambda e: e["student_accuracy"])
     out = {
         "sft_end": point(sft_end),
         "target_accuracy": target,
         "equal_steps": {"opsd": point(eval_at(runs["opsd"], sft_end["step"])), "sft": point(sft_end)},
-        # Training seconds, not wall: the runs ran one after another, each evaluated on its own schedule.
-        "equal_training_time": {"opsd": point(in_time[-1] if in_time else None), "sft": point(sft_end)},
+        # Training seconds (rollout, update, weight sync; no evaluation, no start-up): opsd's last
+        # evaluation within sft's training time, and its next one, bracket the point of equal time.
+        "equal_training_time": {"opsd": point(in_time[-1] if in_time else None), "opsd_next": point(after[0] if after else None),
+                                "sft": point(sft_end)},
         "equal_accuracy": {"opsd": point(reached), "sft": point(sft_end)},
         "opsd_within_points": reached is not None,
     }

@@ -57,7 +57,7 @@ def test_opsd_beside_sft_at_equal_steps_training_time_and_accuracy(learning):
     assert comparison["target_accuracy"] == pytest.approx(0.7)
     assert comparison["equal_steps"]["opsd"]["step"] == 10 and comparison["equal_steps"]["sft"]["step"] == 10
     # sft trained 20 s in its 10 steps; opsd (4 s a step) had done 5 steps by then.
-    assert comparison["equal_training_time"]["opsd"]["step"] == 5
+    assert comparison["equal_training_time"]["opsd"]["step"] == 5 and comparison["equal_training_time"]["opsd_next"]["step"] == 10
     equal = comparison["equal_accuracy"]["opsd"]
     assert comparison["opsd_within_points"] and equal["step"] == 20 and equal["retention_nll"] == pytest.approx(3.2)
     accept = learning.text_facts_acceptance(report, 10, comparison)
