@@ -25,8 +25,8 @@ stdout, also written to <out>/report.json:
                               "acceptance": {...}, "opsd_vs_sft": {...}, "png": ..., ...}},
      "runs": <the text_facts runs, as before tasks>, "acceptance": {...}, "machine": {...}, ...}
 
-A task is a function in TASKS that runs in its own directory <out>/<task> (runs, PNG) and returns
-its report section; its `acceptance` keys are gathered into the top-level one as `<task>.<key>`. `key=value` overrides apply to
+A task is a function in TASKS that runs in its own directory <out>/<task> (runs, PNG, its section
+as report.json) and returns its report section; its `acceptance` keys are gathered into the top-level one as `<task>.<key>`. `key=value` overrides apply to
 every run of the text task (e.g. train.max_steps=2).
 """
 
@@ -274,15 +274,18 @@ def text_facts_task(args, out: Path, progress) -> dict:
         "png": str(out / "learning_curve.png"),
     }
     started = time.perf_counter()
+    section_file = out / "report.json"
+    earlier = json.loads(section_file.read_text()).get("runs", {}) if args.keep and section_file.exists() else {}
 
     def write() -> None:
         runs = task["runs"]
         task["opsd_vs_sft"] = opsd_vs_sft(runs, steps)
         task["acceptance"] = text_facts_acceptance(runs, steps, task["opsd_vs_sft"])
-        # A reused run counts with its stages' time (its startup is not known).
+        # A reused run counts with its measured time (or, from records alone, its stages' time).
         task["wall_s"] = time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused"))
         task["cpu_s"] = sum(r["cpu_s"] or 0.0 for r in runs.values())
         task["acceptance"]["under_20_minutes"] = task["wall_s"] < 1200
+        section_file.write_text(json.dumps(task, indent=1))
         plot_text_facts(task, out / "learning_curve.png")
         progress(task)
 
@@ -291,7 +294,11 @@ def text_facts_task(args, out: Path, progress) -> dict:
         run_steps = opsd_steps if name == "opsd" else steps
         kept = reusable_records(run_dir, run_steps) if args.keep else None
         if kept:
-            task["runs"][name] = {"overrides": CONTROLS[name], "reused": True, **summarise(kept, None, None)}
+            measured = earlier.get(name, {})
+            if measured.get("steps") == run_steps and measured.get("wall_s"):  # its wall and CPU time as measured
+                task["runs"][name] = {**measured, "reused": True}
+            else:
+                task["runs"][name] = {"overrides": CONTROLS[name], "reused": True, **summarise(kept, None, None)}
             print(f"  {name}: reused {run_dir} up to step {run_steps}", file=sys.stderr, flush=True)
             continue
         if run_dir.exists():
@@ -341,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true",
                         help="reuse a run directory whose metrics.jsonl already reaches its steps (an interrupted "
                              "benchmark, or a longer run with a constant schedule): its records up to those steps "
-                             "are reported, its wall time is the sum of its stages, its CPU time unknown")
+                             "are reported with the wall and CPU time the task's report.json measured for that many "
+                             "steps, else with the sum of its stages and no CPU time")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the tasks, bench/step_profile.py with this many steps (0 = skip): the 'speed' key")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every text_facts run")
