@@ -238,8 +238,9 @@ def plot_text_facts(task: dict, path: Path) -> None:
     acc.set_ylim(-2, 102)
     acc.set_title(task["title"], fontsize=9)
     questions.set_ylabel("general questions right, greedy (%)")
-    questions.set_title("retention: what the base model knew", fontsize=9)
-    nll.set_ylabel("NLL of a held-out text (nats/token)")
+    questions.set_ylim(-2, 102)
+    questions.set_title(f"retention: {task['retention'].get('questions') or 'no'} questions the base model knew", fontsize=9)
+    nll.set_ylabel("NLL of a held-out text (nats/token, lower is better)")
     nll.set_title(f"retention: {task['retention'].get('text') or 'no text probe'}", fontsize=9)
     for ax in (acc, questions, nll):
         ax.set_xlabel("optimizer step")
