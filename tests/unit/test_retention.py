@@ -143,17 +143,46 @@ def test_an_answer_counts_as_a_whole_word(completion, answers, right):
     assert answered_right(completion, answers) is right
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ({"text": None, "questions": None}, "both off"),
-    ({"text": " "}, "empty"),
-    ({"chunk_tokens": 1}, "greater than 1"),
+@pytest.mark.parametrize("retention, named", [
+    ({"txt": "notes.txt"}, "eval.retention.txt: Unexpected keyword"),  # a misspelt key
+    ({"text": None, "questions": None}, "eval.retention: Value error, text and questions are both off"),
+    ({"text": " "}, "eval.retention.text: Value error, empty"),
+    ({"questions": ""}, "eval.retention.questions: Value error, empty"),
+    ({"chunk_tokens": 1}, "eval.retention.chunk_tokens: Input should be greater than 1"),
+    ({"text_tokens": "many"}, "eval.retention.text_tokens"),
+    ({"max_new_tokens": 0}, "eval.retention.max_new_tokens: Input should be greater than 0"),
+    ("yes", "eval.retention: Input should be a dictionary"),
 ])
-def test_retention_config_is_validated(overrides, named):
+def test_bad_retention_keys_and_values_are_named(retention, named):
     from opsd.config import config_from_dict
 
-    raw = {"model": {"path": "m"}, "data": {"path": "d"}, "eval": {"every": 5, "retention": overrides}}
-    with pytest.raises(ConfigError, match=named):
+    raw = {"model": {"path": "m"}, "data": {"path": "d"}, "eval": {"every": 5, "retention": retention}}
+    with pytest.raises(ConfigError) as err:
         config_from_dict(raw)
-    raw["eval"] = {"every": 0, "retention": {}}
-    with pytest.raises(ConfigError, match="eval.every > 0"):
+    assert named in str(err.value)
+
+
+def test_retention_needs_evaluations_and_takes_defaults_from_an_empty_section():
+    from opsd.config import config_from_dict
+
+    raw = {"model": {"path": "m"}, "data": {"path": "d"}, "eval": {"every": 5, "retention": {}}}
+    assert config_from_dict(raw).eval.retention == RetentionConfig()
+    assert config_from_dict({**raw, "eval": {"every": 5}}).eval.retention is None  # off unless asked for
+    raw["eval"]["every"] = 0
+    with pytest.raises(ConfigError, match=r"eval: .*set eval\.every > 0"):
         config_from_dict(raw)
+
+
+def test_a_bad_retention_source_stops_the_run_with_one_error_line(tmp_path, tiny_text_dir, capsys):
+    """The probe's text and questions are resolved with the evaluation set, before any weights load."""
+    from opsd.train import main
+
+    args = ["--config", "configs/learn_facts_smollm2.yaml", f"model.path={tiny_text_dir}", "model.build=null",
+            "rollout.engine=hf", f"data.datasets.0.path={tmp_path / 'facts'}", f"logging.output_dir={tmp_path / 'run'}"]
+    assert main([*args, "eval.retention.text=no-such-package-opsd:LICENSE"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: eval.retention.text: package 'no-such-package-opsd' is not installed "
+                   "(name another package:file, a path, or null to turn the text probe off)"]
+    assert main([*args, f"eval.retention.questions={tmp_path / 'missing.jsonl'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: eval.retention.questions: '{tmp_path / 'missing.jsonl'}' is neither `general` nor a file"]
