@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from opsd.config import ModelConfig
-from opsd.prompts import is_multimodal
+from opsd.prompts import is_multimodal, tokenizer_of
 from opsd.vl_processor import load_image_only_processor
 
 
@@ -39,7 +39,7 @@ def load_processor(cfg: ModelConfig):
             raise
         # Qwen-VL processors hold a video processor that needs torchvision; images need only PIL.
         processor = load_image_only_processor(cfg.path, trust_remote_code=cfg.trust_remote_code)
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = tokenizer_of(processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return processor

@@ -12,9 +12,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from opsd.config import LoggingConfig
+from opsd.loss_kinds import DISTILL_METRICS
 
 CONSOLE_KEYS = (
-    "loss", "jsd", "tinker_loss", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy", "eval/teacher_accuracy",
+    "loss", *DISTILL_METRICS, "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy",
+    "eval/teacher_accuracy",
 )
 
 
