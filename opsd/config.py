@@ -458,8 +458,8 @@ class TrainConfig:
 @dataclass(config=_STRICT)
 class RetentionConfig:
     """What the model knew before training and the training data does not teach, measured at step
-    0 and at every evaluation (`eval/retention_*`; see README, Retention). Both probes are cheap:
-    seconds per evaluation on a 135M model on 2 CPU cores."""
+    0 and at every evaluation (`eval/retention_*`; see docs/training.md, Retention): a text's likelihood
+    and a few greedy answers, a fraction of the evaluation they join."""
 
     text: str | None = "transformers:LICENSE"
     """Language-modelling probe: the student's mean negative log-likelihood per token of a text no

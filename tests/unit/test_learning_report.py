@@ -74,3 +74,34 @@ def test_opsd_short_of_sft_says_how_close_it_got(learning):
     assert comparison["equal_accuracy"]["opsd_closest"]["step"] == 15
     assert "best 55.0% at step 15, 15.0 points short of the 70.0% target" in comparison["note"]
     assert not learning.text_facts_acceptance(report, 10, comparison)["opsd_within_10_points_of_sft"]
+
+
+def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison(learning, tmp_path, capsys):
+    """bench/learning.py end to end on runs already done (`--keep`): no training, the whole report."""
+    import json
+
+    out = tmp_path / "learn"
+    sft = records({0: 0.0, 5: 0.5, 10: 0.8}, {0: (1.0, 3.0), 5: (0.9, 3.2), 10: (0.75, 3.5)}, step_s=2.0)
+    opsd = records({0: 0.0, 5: 0.2, 10: 0.4, 15: 0.6, 20: 0.75}, {s: (1.0, 3.0 + s / 100) for s in range(0, 25, 5)}, step_s=4.0)
+    control = records({0: 0.0, 5: 0.03, 10: 0.0}, {0: (1.0, 3.0), 5: (1.0, 3.0), 10: (0.5, 3.0)}, step_s=4.0)
+    for name, run in (("opsd", opsd), ("no_privileged", control), ("noise", control), ("sft", sft)):
+        (out / "text_facts" / name).mkdir(parents=True)
+        (out / "text_facts" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
+    assert learning.main(["--keep", "--opsd-steps", "20", "--out", str(out), "model.build=null"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # printed last
+    assert report == json.loads((out / "report.json").read_text())
+    task = report["tasks"]["text_facts"]
+    assert task == json.loads((out / "text_facts" / "report.json").read_text())  # the task's own section
+    assert report["runs"] == task["runs"] and list(task["runs"]) == ["opsd", "no_privileged", "noise", "sft"]
+    assert task["steps"] == 10 and task["opsd_steps"] == 20
+    for name, run in task["runs"].items():
+        end = 20 if name == "opsd" else 10
+        assert run["reused"] and run["steps"] == end
+        assert run["retention"]["step_0"]["step"] == 0 and run["retention"]["end"]["step"] == end
+    assert task["runs"]["noise"]["retention"]["change"] == {"accuracy_points": -50.0, "nll": 0.0}
+    comparison = task["opsd_vs_sft"]
+    assert comparison["equal_accuracy"]["opsd"]["step"] == 20 and comparison["equal_accuracy"]["sft"]["step"] == 10
+    assert comparison["equal_steps"]["opsd"]["retention_nll"] == pytest.approx(3.1)
+    assert report["acceptance"]["text_facts.opsd_within_10_points_of_sft"] is True
+    assert report["acceptance"]["text_facts.opsd_gain_points"] == 40.0
+    assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
