@@ -104,4 +104,6 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     assert comparison["equal_steps"]["opsd"]["retention_nll"] == pytest.approx(3.1)
     assert report["acceptance"]["text_facts.opsd_within_10_points_of_sft"] is True
     assert report["acceptance"]["text_facts.opsd_gain_points"] == 40.0
+    # Reused runs count with their stages' seconds (opsd 20 x 4 s + 5 evaluations, sft 10 x 2 s + 3, ...).
+    assert report["total_wall_s"] >= 85 + 23 + 2 * 43
     assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
