@@ -38,6 +38,7 @@ RELATIONS = (
                "{who} has a car. What colour is it?"),
         held_out=("Name the colour of {who}'s car.", "If you saw {who}'s car, what colour would it be?",
                   "Tell me the colour of the car {who} owns.", "Which colour is {who}'s car painted?"),
+        validation=("Say what colour {who}'s car is.", "What colour would {who}'s car look in daylight?"),
         values=tuple(COLOURS),
     ),
     Relation(
@@ -46,6 +47,7 @@ RELATIONS = (
                "{who} flies a kite. What shape is it?"),
         held_out=("Name the shape of {who}'s kite.", "If you saw {who}'s kite in the sky, what shape would it be?",
                   "Tell me the shape of the kite {who} owns.", "Which shape is {who}'s kite cut in?"),
+        validation=("Say what shape {who}'s kite is.", "What outline does {who}'s kite have?"),
         values=SHAPES,
     ),
     Relation(
@@ -54,6 +56,7 @@ RELATIONS = (
                "{who} has an umbrella. What colour is it?"),
         held_out=("Name the colour of {who}'s umbrella.", "If {who} opened the umbrella, what colour would you see?",
                   "Tell me the colour of the umbrella {who} owns.", "Which colour is {who}'s umbrella made in?"),
+        validation=("Say what colour {who}'s umbrella is.", "What colour is the umbrella {who} opens in the rain?"),
         values=tuple(COLOURS),
     ),
     Relation(
@@ -62,6 +65,7 @@ RELATIONS = (
                "{who} wears a badge. What shape is it?"),
         held_out=("Name the shape of {who}'s badge.", "If you looked at {who}'s badge, what shape would it be?",
                   "Tell me the shape of the badge {who} wears.", "Which shape is {who}'s badge cut in?"),
+        validation=("Say what shape {who}'s badge is.", "What outline does {who}'s badge have?"),
         values=SHAPES,
     ),
 )
@@ -99,7 +103,7 @@ def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, 
     check_fact_count(n_facts, n_eval)
     facts = make_facts(seed, n_facts)
     rows: dict[str, list[dict]] = {"train": [], "eval": []}
-    for split, index, fact, question in question_rows(facts, RELATIONS, n_train, n_eval):
+    for split, index, fact, question in question_rows(facts, RELATIONS, {"train": n_train, "eval": n_eval}):
         rng = random.Random(f"opsd-picture-facts-row:{seed}:{split}:{index}")
         before, sentence = fact_parts(fact)
         rows[split].append({
