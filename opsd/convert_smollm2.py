@@ -63,11 +63,20 @@ def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
     if (out / "config.json").exists():
         return out
     plain, tokenizer = load_plain(gguf_file, dtype)
-    # Write next to the target and rename, so an interrupted run never leaves a half directory.
+    return write_model_dir(out, plain, tokenizer)
+
+
+def write_model_dir(out: Path, model, processor, files: dict[str, str] | None = None) -> Path:
+    """Save `model`, `processor` and `files` (name -> text, written last) next to `out` and rename
+    the directory into place, so an interrupted build never leaves a half directory there."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    for name, text in (files or {}).items():
+        (tmp / name).write_text(text)
+    if out.exists():
+        shutil.rmtree(out)
     tmp.rename(out)
     return out
 

@@ -29,7 +29,6 @@ import dataclasses
 import json
 import random
 import resource
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -168,7 +167,7 @@ def _cpu_seconds() -> float:
 
 def build(out_dir, *, settings: BuildSettings = BuildSettings(), gguf_file=None, log=_log) -> Path:
     """Write the seeing SmolLM2 into `out_dir` unless a finished build is already there."""
-    from opsd.convert_smollm2 import load_plain
+    from opsd.convert_smollm2 import load_plain, write_model_dir
 
     out = Path(out_dir)
     if (out / MARKER).exists():
@@ -198,15 +197,7 @@ def build(out_dir, *, settings: BuildSettings = BuildSettings(), gguf_file=None,
         f"{record['accuracy']:.2f} after {settings.align_steps} steps")
     record["wall_s"] = round(time.perf_counter() - wall0, 1)
     record["cpu_s"] = round(_cpu_seconds() - cpu0, 1)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    (tmp / MARKER).write_text(json.dumps(record, indent=1))  # last: a directory without it is unfinished
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
+    return write_model_dir(out, model, processor, {MARKER: json.dumps(record, indent=1)})
 
 
 def main(argv: list[str] | None = None) -> int:

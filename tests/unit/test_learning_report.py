@@ -107,3 +107,18 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     # Reused runs count with their stages' seconds (opsd 20 x 4 s + 5 evaluations, sft 10 x 2 s + 3, ...).
     assert report["total_wall_s"] >= 85 + 23 + 2 * 43
     assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_visual_acceptance_asks_15_points_controls_within_5_and_a_30_point_teacher(learning):
+    report = runs(learning, {0: 0.0, 5: 0.1, 10: 0.2})
+    for run in report.values():
+        run["eval"][0]["teacher_accuracy"] = 0.5
+    accepted = learning.visual_acceptance(report, steps=10, comparison=None)
+    assert accepted["opsd_gain_points"] == 20.0 and accepted["opsd_gains_15_points"]
+    assert accepted["teacher_gap_step_0_points"] == 50.0 and accepted["teacher_30_points_above_student_at_step_0"]
+    assert accepted["noise_moves_under_5_points"] and accepted["no_privileged_moves_under_5_points"]
+    report["opsd"]["eval"][0]["teacher_accuracy"] = 0.25
+    report = {**report, "opsd": learning.summarise(records({0: 0.0, 10: 0.1}, {0: (1, 3), 10: (1, 3)}, 1.0), 1.0, 1.0)}
+    report["opsd"]["eval"][0]["teacher_accuracy"] = 0.25
+    accepted = learning.visual_acceptance(report, steps=10, comparison=None)
+    assert not accepted["opsd_gains_15_points"] and not accepted["teacher_30_points_above_student_at_step_0"]
