@@ -87,7 +87,7 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     for name, run in (("opsd", opsd), ("no_privileged", control), ("noise", control), ("sft", sft)):
         (out / "text_facts" / name).mkdir(parents=True)
         (out / "text_facts" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
-    assert learning.main(["--keep", "--opsd-steps", "20", "--out", str(out), "model.build=null"]) == 0
+    assert learning.main(["--tasks", "text_facts", "--keep", "--opsd-steps", "20", "--out", str(out), "model.build=null"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # printed last
     assert report == json.loads((out / "report.json").read_text())
     task = report["tasks"]["text_facts"]
