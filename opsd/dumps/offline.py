@@ -24,6 +24,7 @@ from opsd.sequences import build_sample_examples, prompt_length_check
 from opsd.trainer.checkpoint import (
     MODEL_DIR, TEACHER_DIR, CheckpointError, read_trainer_state, resolve_checkpoint, verify_checkpoint,
 )
+from opsd.trainer.console import native_output_to_log
 
 @dataclasses.dataclass
 class ModelDirs:
@@ -76,7 +77,7 @@ def initial_weights(checkpoint: Path) -> str:
     model_path = run_cfg["model"]["path"]
     try:
         return prepare_model_dir(ModelConfig(path=model_path))
-    except FileNotFoundError:
+    except ConfigError:
         raise FileNotFoundError(
             f"--checkpoint {checkpoint}: teacher.mode=fixed, so the teacher is the run's initial weights, "
             f"model.path {model_path!r}, which is not a model directory here (relative paths are read from the "
@@ -93,8 +94,9 @@ def load_split(cfg: Config, split: str, num_samples: int, processor) -> list:
 
 
 def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: str = "train",
-                  teacher_path: str | None = None, step: int = 0) -> tuple[Path, dict[str, int]]:
+                  teacher_path: str | None = None, step: int = 0, log_file: Path | None = None) -> tuple[Path, dict[str, int]]:
     """Sample the first `num_samples` prompts of `split`, score with both roles, write one dump file.
+    `log_file`: where what the engine prints while it starts goes (None: the console).
 
     Returns the file and the counts of completions dropped or truncated on the way.
     """
@@ -102,7 +104,8 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     processor = load_processor(cfg.model)
     pad_id = getattr(processor, "tokenizer", processor).pad_token_id
     samples = load_split(cfg, split, num_samples, processor)
-    engine = make_engine(cfg, model_dir, processor)
+    with native_output_to_log(log_file):
+        engine = make_engine(cfg, model_dir, processor)
     try:
         student_prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
         completions = engine.generate(student_prompts, sampling_settings(cfg, step, processor))

@@ -9,6 +9,9 @@ implement the engine interface of opsd/rollout/engine.py, the weight-sync callba
 from __future__ import annotations
 
 import importlib
+import traceback
+
+from opsd.config import ConfigError
 
 ENGINE_METHODS = ("generate", "begin_weight_update", "receive_weights", "end_weight_update", "close")
 
@@ -18,23 +21,47 @@ def load_import_path(path: str):
     module_name, _, attr_path = path.partition(":")
     try:
         obj = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ImportError(f"rollout.engine: cannot import module {module_name!r} of {path!r}: {err}") from err
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):  # the module itself (or its package) is not there
+            raise ConfigError(f"rollout.engine: cannot import module {module_name!r} of {path!r}: no module named "
+                              f"{err.name!r} (is it installed, or on PYTHONPATH?)") from None
+        raise ConfigError(f"rollout.engine: module {module_name!r} of {path!r} does not import: {_where(err)}") from None
+    except Exception as err:  # the user's module raised while importing: name the line
+        raise ConfigError(f"rollout.engine: module {module_name!r} of {path!r} does not import: {_where(err)}") from None
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise ImportError(f"rollout.engine: {path!r}: {obj.__name__} has no attribute {attr!r}")
+            raise ConfigError(f"rollout.engine: {path!r}: {obj.__name__} has no attribute {attr!r}")
         obj = getattr(obj, attr)
     return obj
 
 
+def _where(err: BaseException) -> str:
+    """`Type: message (file, line N)` of the frame that raised, for a one-line error."""
+    frames = traceback.extract_tb(err.__traceback__)
+    at = f" ({frames[-1].filename}, line {frames[-1].lineno})" if frames else ""
+    if isinstance(err, SyntaxError) and err.filename:
+        at = f" ({err.filename}, line {err.lineno})"
+        return f"SyntaxError: {err.msg}{at}"
+    return f"{type(err).__name__}: {err}{at}"
+
+
+def _missing_methods(obj) -> list[str]:
+    return [m for m in ENGINE_METHODS if not callable(getattr(obj, m, None))]
+
+
 def build_custom_engine(cfg, model_path, processor):
-    """Construct the engine `cfg.rollout.engine` names and check it has the engine's methods."""
+    """Construct the engine `cfg.rollout.engine` names and check it has the engine's methods (a class
+    is checked before it is built)."""
     path = cfg.rollout.engine
     factory = load_import_path(path)
     if not callable(factory):
-        raise TypeError(f"rollout.engine: {path!r} is not a class or function")
-    engine = factory(cfg=cfg, model_path=model_path, processor=processor)
-    missing = [m for m in ENGINE_METHODS if not callable(getattr(engine, m, None))]
+        raise ConfigError(f"rollout.engine: {path!r} is not a class or function")
+    missing = _missing_methods(factory) if isinstance(factory, type) else []
+    if not missing:
+        engine = factory(cfg=cfg, model_path=model_path, processor=processor)
+        missing = _missing_methods(engine)
     if missing:
-        raise TypeError(f"rollout.engine: {path!r} built a {type(engine).__name__} without {', '.join(missing)}")
+        name = factory.__name__ if isinstance(factory, type) else f"the {type(engine).__name__} it built"
+        raise ConfigError(f"rollout.engine: {path!r}: {name} has no {', '.join(missing)} method; an engine needs "
+                          f"{', '.join(ENGINE_METHODS)} (opsd/rollout/engine.py)")
     return engine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,17 +25,35 @@ from opsd.rollout.vllm_reload import (
 )
 
 
-def _set_env_defaults() -> None:
+_OWN_RPC_DIRS: set[str] = set()
+"""`VLLM_RPC_BASE_PATH` directories these engines made (a user's own setting is left alone)."""
+
+
+def _set_env_defaults() -> str | None:
+    """Set vLLM's environment defaults; returns the socket directory made for this engine, if any."""
     # In-process engine core: starts in ~2 s instead of ~15 s and lets us hand it tensors directly.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the trainer's
-    # The engine leaves ZMQ socket files behind; keep them out of the shared /tmp root.
-    os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="opsd-vllm-"))
+    rpc_dir = None
+    if os.environ.get("VLLM_RPC_BASE_PATH") in _OWN_RPC_DIRS | {None}:
+        # The engine's ZMQ socket files go to a directory of its own, out of the shared /tmp root;
+        # `close` removes it (and process exit, when a crash skips `close`).
+        rpc_dir = tempfile.mkdtemp(prefix="opsd-vllm-")
+        _OWN_RPC_DIRS.add(rpc_dir)
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
     for key, value in cpu_environment().items():
         os.environ.setdefault(key, value)
     if not torch.cuda.is_available():
         # vLLM's CPU worker pins threads; without this torch in the same process may fall to one.
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    return rpc_dir
+
+
+def _remove_rpc_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _OWN_RPC_DIRS.discard(path)
+    if os.environ.get("VLLM_RPC_BASE_PATH") == path:
+        del os.environ["VLLM_RPC_BASE_PATH"]
 
 
 def _shm_or_tmp() -> str | None:
@@ -60,7 +79,8 @@ class VLLMEngine:
     ):
         """Defaults are the config's (opsd/config.py); `engine_args` (opsd/rollout/vllm_args.py) says
         what each option sets in vLLM."""
-        _set_env_defaults()
+        rpc_dir = _set_env_defaults()
+        self._remove_rpc_dir = weakref.finalize(self, _remove_rpc_dir, rpc_dir) if rpc_dir else None
         check_vllm_version()
         from vllm import LLM
 
@@ -84,6 +104,8 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._lora_request = None  # the adapter every request names, once one was received
         self._adapter_root = Path(tempfile.mkdtemp(prefix="opsd-adapters-", dir=_shm_or_tmp())) if max_lora_rank else None
+        if self._adapter_root is not None:  # removed on close, and at exit when a crash skips close (shared memory)
+            weakref.finalize(self, shutil.rmtree, self._adapter_root, ignore_errors=True)
 
     # Sleep mode (CUDA): asleep from the end of the step's rollouts to the weight sync, so that
     # training has the memory. Level 2 discards the weights (the sync after the step reloads every
@@ -194,3 +216,5 @@ class VLLMEngine:
         del self.llm
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
+        if self._remove_rpc_dir is not None:
+            self._remove_rpc_dir()

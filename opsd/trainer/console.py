@@ -36,11 +36,11 @@ class OnceFilter(logging.Filter):
 
 
 @contextmanager
-def third_party_output(output_dir: str | Path, *, verbose: bool = False):
-    """Route third-party logging and warnings to `<output_dir>/run.log` (and stderr when `verbose`)
+def third_party_output(output_dir: str | Path, *, verbose: bool = False, log_name: str = THIRD_PARTY_LOG):
+    """Route third-party logging and warnings to `<output_dir>/<log_name>` (and stderr when `verbose`)
     for the duration; yields the log file's path."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's loggers then propagate to the root
-    path = Path(output_dir) / THIRD_PARTY_LOG
+    path = Path(output_dir) / log_name
     path.parent.mkdir(parents=True, exist_ok=True)
     handlers = [logging.FileHandler(path)] + ([logging.StreamHandler(sys.stderr)] if verbose else [])
     root = logging.getLogger()

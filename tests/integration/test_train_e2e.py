@@ -37,6 +37,7 @@ def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
     assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in trained)
     assert summary["metrics"]["eval/accuracy"]["first_step"] == 0 and summary["metrics"]["loss"]["last_step"] == 3
     assert summary["files"]["last_checkpoint"] == str(output_dir / "checkpoint-3")
+    assert summary["warnings"] == [] and summary["stopped"] is None  # on-policy, ran to the end
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@
     loss, device: leaves (tensor math; where the process runs), importable from any layer
     models (modeling, tiny_models, convert_smollm2, vl_processor, lora): config and prompts
     rollout: prompts and below, models; evaluation: rollout and prompts
-    dumps: scoring, rollout, evaluation, the checkpoint format; the recipe and CLIs: everything
+    dumps: scoring, rollout, evaluation, the checkpoint format, the quiet console; the recipe and CLIs: everything
 
 Every `import`, including those inside functions, counts; nothing imports the recipe.
 """
@@ -50,7 +50,7 @@ MAY_IMPORT = {  # group: the groups (or module prefixes) it may import, besides 
     "rollout": {"config", "data", "prompts", "models"},
     "evaluation": {"config", "data", "prompts", "rollout"},
     "dumps": {"config", "data", "prompts", "sequences", "scoring", "models", "rollout", "evaluation",
-              "opsd.trainer.checkpoint"},
+              "opsd.trainer.checkpoint", "opsd.trainer.console"},
     "cli": set(GROUPS) - {"recipe"},
     "recipe": set(GROUPS) - {"recipe"},
 }

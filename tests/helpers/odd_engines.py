@@ -1,0 +1,48 @@
+"""Rollout engines that are wrong on purpose, named in configs as `tests.helpers.odd_engines:<Name>`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from opsd.device import resolve_device
+from opsd.modeling import load_model
+from opsd.rollout.hf_engine import HFEngine
+
+
+class EngineWithoutClose:
+    """Everything an engine needs but `close`."""
+
+    def __init__(self, *, cfg, model_path, processor):
+        raise AssertionError("a class without close() must be refused before it is built")
+
+    def generate(self, prompts, sampling): ...
+
+    def begin_weight_update(self): ...
+
+    def receive_weights(self, bucket): ...
+
+    def end_weight_update(self): ...
+
+
+class OtherPromptEngine:
+    """Samples each prompt's completions from the next prompt (a bug of a custom engine): the trainer
+    scores them under their own prompt, so they are not the student's samples."""
+
+    def __init__(self, *, cfg, model_path, processor):
+        self.inner = HFEngine(load_model(cfg.model, processor, resolve_device(cfg.train.device)), processor)
+
+    def generate(self, prompts, sampling):
+        shifted = prompts[1:] + prompts[:1]
+        return [dataclasses.replace(c, prompt_index=c.prompt_index) for c in self.inner.generate(shifted, sampling)]
+
+    def begin_weight_update(self):
+        self.inner.begin_weight_update()
+
+    def receive_weights(self, bucket):
+        self.inner.receive_weights(bucket)
+
+    def end_weight_update(self):
+        self.inner.end_weight_update()
+
+    def close(self):
+        self.inner.close()
