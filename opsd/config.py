@@ -34,7 +34,7 @@ LORA_RANKS_VLLM = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass(config=_STRICT)
 class LoraConfig:
-    """Train a LoRA adapter (built with `peft`) instead of the full weights (see README, LoRA)."""
+    """Train a LoRA adapter (built with `peft`) instead of the full weights (see docs/lora.md)."""
 
     rank: Annotated[int, Field(gt=0, le=512)] = 16
     """Rank r of the update B @ A (A: r x in, B: out x r); the adapter's size grows with it."""
@@ -248,7 +248,7 @@ class RolloutConfig:
     engine: str = "vllm"
     """`vllm`: colocated in-process vLLM engine; `hf`: transformers `generate`; `server`: a separate
     `vllm serve` over HTTP (`rollout.server`); or `package.module:Name`, a class (or factory) of your
-    own called as `Name(cfg=..., model_path=..., processor=...)` (see README, custom rollouts)."""
+    own called as `Name(cfg=..., model_path=..., processor=...)` (see docs/rollout.md)."""
     samples_per_prompt: Annotated[int, Field(gt=0)] = 1
     """Completions sampled per prompt; each is trained on."""
     max_new_tokens: Annotated[int, Field(gt=0)] = 64

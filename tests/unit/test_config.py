@@ -49,7 +49,7 @@ def test_reference_recipe_schedule_warms_up_then_decays_to_its_floor():
 
 
 def test_every_config_field_has_a_docstring():
-    """Each field of opsd/config.py's dataclasses is followed by its docstring (the README links there)."""
+    """Each field of opsd/config.py's dataclasses is followed by its docstring (the docs link there)."""
     tree = ast.parse(Path(config_module.__file__).read_text())
     missing = []
     for node in tree.body:

@@ -1,4 +1,4 @@
-"""Imports run one way (README, "Layout"): a module imports only from the layers its own may use.
+"""Imports run one way (docs/development.md, "Layout"): a module imports only from the layers its own may use.
 
     config <- data <- prompts <- sequences <- scoring <- teacher <- trainer <- train (the recipe)
     loss, device: leaves (tensor math; where the process runs), importable from any layer
