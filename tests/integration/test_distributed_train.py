@@ -10,6 +10,7 @@ two ranks form one tensor-parallel engine (vLLM's external launcher) instead of 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,6 +154,10 @@ def test_lora_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, grid
         assert_close_weights(saved, load_file(single.output_dir / f"checkpoint-{STEPS}" / role / "adapter_model.safetensors"))
 
 
+STOP_BOUND_S = 90
+"""Signal to exit of a stop on the tiny VLM (the rest of the stage, one save, closing); loaded machine, with room."""
+
+
 def exit_statuses(run: Run) -> list[int]:
     return [int((run.output_dir / f"exit_rank{r}").read_text()) for r in (0, 1)]
 
@@ -163,19 +168,30 @@ def checkpoint_files(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_sigterm_to_torchrun_stops_both_ranks_and_the_resume_ends_as_the_uninterrupted_run(tmp_path, tiny_vlm_dir,
-                                                                                             grid_data_dir, two_ranks):
-    """As a scheduler would: SIGTERM to torchrun (sent by rank 0 as step 3's rollout starts), which forwards
-    it to both ranks. They agree to drop step 3, save checkpoint-2 and exit with status 3; the resume
-    trains step 3 and ends with the uninterrupted run's checkpoint, bit for bit."""
+def test_sigterm_to_torchrun_stops_both_ranks_and_the_resumes_end_as_the_uninterrupted_run(tmp_path, tiny_vlm_dir,
+                                                                                              grid_data_dir, two_ranks):
+    """As a scheduler would: SIGTERM to torchrun (sent by rank 0), which forwards it to both ranks. During
+    step 2's rollout: they agree to drop the step, save checkpoint-1 and exit with status 3. Resumed,
+    during step 2's update: they finish it, save checkpoint-2, exit with 3. The last resume trains step 3
+    and ends with the uninterrupted run's checkpoint, bit for bit."""
     out = tmp_path / "stopped"
-    stopped = torchrun(out, tiny_vlm_dir, grid_data_dir, env={"OPSD_TEST_SIGNAL": "rollout@3:parent"},
-                       shutdown_timeout_s=300)  # torchrun's default 30 s: a real model's save needs more
-    stopped.process.wait(timeout=420)
-    assert exit_statuses(stopped) == [EXIT_STOPPED, EXIT_STOPPED], stopped.log()[-6000:]
-    assert "stopped by SIGTERM at step 2" in stopped.log()
-    assert [c.step for c in list_checkpoints(out)] == [2]
-    assert stopped.log().count("checkpoint: saved") == 1  # rank 0 alone speaks for the checkpoints
+
+    def stopped_run(stage, step, *overrides):
+        run = torchrun(out, tiny_vlm_dir, grid_data_dir, *overrides, env={"OPSD_TEST_SIGNAL": f"{stage}@{step}:parent"},
+                       shutdown_timeout_s=300)  # torchrun's default, 30 s, is short for a real model's save
+        run.process.wait(timeout=420)
+        log = run.log()
+        assert exit_statuses(run) == [EXIT_STOPPED, EXIT_STOPPED], log[-6000:]
+        found = re.findall(r"stopped by SIGTERM at step (\d+) \((\d+\.\d) s after the signal\)", log)[-1]
+        print(f"\nSIGTERM to torchrun during step {step}'s {stage}: rank 0 exited {found[1]} s after the signal")
+        assert float(found[1]) < STOP_BOUND_S
+        return int(found[0]), log
+
+    step, log = stopped_run("rollout", 2)
+    assert step == 1 and [c.step for c in list_checkpoints(out)] == [1]
+    assert log.count("checkpoint: saved") == 1  # rank 0 alone speaks for the checkpoints
+    step, log = stopped_run("train", 2, "checkpoint.resume_from=auto")
+    assert step == 2 and [c.step for c in list_checkpoints(out)] == [1, 2]
 
     resumed = torchrun(out, tiny_vlm_dir, grid_data_dir, "checkpoint.resume_from=auto")
     records = resumed.metrics()

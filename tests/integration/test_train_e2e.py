@@ -2,7 +2,9 @@
 
 import json
 import math
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,9 @@ REQUIRED_KEYS = {
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
+    engine_dirs = set(Path(tempfile.gettempdir()).glob("opsd-vllm-*"))
     output_dir = train(demo_config(tmp_path, tiny_vlm_dir, grid_data_dir))
+    assert set(Path(tempfile.gettempdir()).glob("opsd-vllm-*")) <= engine_dirs  # the engine removed its own
     records = read_metrics(output_dir)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     baseline, trained = records[0], records[1:]
@@ -108,3 +112,25 @@ def test_a_skipped_step_keeps_the_schedule_and_the_ema_on_the_step_count(tmp_pat
             scheduler.step()
     assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-12)
     assert len(teacher_updates) == 5  # one EMA step per step, the skipped one included
+
+
+def test_an_error_mid_run_closes_the_metrics_file_and_the_engine(tmp_path, tiny_vlm_dir, grid_data_dir, monkeypatch):
+    import opsd.train
+    from opsd.trainer.metrics import MetricsLogger
+
+    loggers, engines = [], []
+    real_init, make_engine, real_sample = MetricsLogger.__init__, opsd.train.make_engine, opsd.train.sample
+
+    def sample(run, step):
+        if step == 2:
+            raise RuntimeError("a bug at step 2")
+        return real_sample(run, step)
+
+    monkeypatch.setattr(MetricsLogger, "__init__", lambda self, *a, **k: (loggers.append(self), real_init(self, *a, **k))[1])
+    monkeypatch.setattr(opsd.train, "make_engine", lambda *a: engines.append(make_engine(*a)) or engines[-1])
+    monkeypatch.setattr(opsd.train, "sample", sample)
+    cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "rollout.max_new_tokens=4", "eval.every=0")
+    with pytest.raises(RuntimeError, match="a bug at step 2"):
+        train(cfg)
+    assert loggers[0].file.closed and engines[0].model is None  # HFEngine.close drops its model
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]
