@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RunStopped as stopped:  # the status tells the scheduler; the line tells the user
         if process_rank() == 0:
-            print(f"{stopped}; continue with checkpoint.resume_from=auto (exit status {EXIT_STOPPED})", file=sys.stderr)
+            resume = "; continue with checkpoint.resume_from=auto" if stopped.checkpoint else ""
+            print(f"{stopped}{resume} (exit status {EXIT_STOPPED})", file=sys.stderr)
         return EXIT_STOPPED
     return 0
 

@@ -210,10 +210,14 @@ class VLLMEngine:
         return self.llm.collective_rpc("compute_weight_checksums")[0]
 
     def close(self) -> None:
-        engine = getattr(self.llm, "llm_engine", None)
+        """Idempotent: an error path may close the engine before its owner does."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
-        del self.llm
+        del llm
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
         if self._remove_rpc_dir is not None:

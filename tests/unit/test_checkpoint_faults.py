@@ -10,7 +10,6 @@ import uuid
 import pytest
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
-from opsd.config import config_from_dict
 from opsd.trainer import checkpoint as ckpt
 from opsd.trainer.checkpoint import (
     CheckpointError,
@@ -20,17 +19,10 @@ from opsd.trainer.checkpoint import (
     save_checkpoint,
 )
 from opsd.trainer.checkpoint_manager import CheckpointManager
-from tests.helpers.parts import assert_same_tensors, make_parts, take_steps
+from tests.helpers.parts import assert_same_tensors, make_parts, run_config, take_steps
 
 SMALL_FS_MB = 20
 """A tiny text model's checkpoint takes 12.4 MB: one fits, a second does not."""
-
-
-def run_config(output_dir, **checkpoint):
-    return config_from_dict({
-        "model": {"path": "m"}, "data": {"path": "d"},
-        "logging": {"output_dir": str(output_dir)}, "checkpoint": checkpoint,
-    })
 
 
 @pytest.fixture
