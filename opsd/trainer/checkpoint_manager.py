@@ -244,7 +244,8 @@ class CheckpointManager:
             keep = {self.best["step"]} if self.best else set()
             for removed in rotate_checkpoints(self.output_dir, self.ckpt.save_total_limit, keep):
                 _say(f"removed {removed.name} (save_total_limit={self.ckpt.save_total_limit})")
-        self._warn_if_the_next_save_cannot_fit(path)
+        if step < self.cfg.train.max_steps:
+            self._warn_if_the_next_save_cannot_fit(path)
         return path
 
     def _warn_if_the_next_save_cannot_fit(self, path: Path) -> None:

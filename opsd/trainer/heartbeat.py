@@ -13,6 +13,7 @@ keeps beating; only a process that is not running at all falls silent.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -52,6 +53,7 @@ class Heartbeat:
         self.store.set(self._key(rank), b"0")
         self._thread = threading.Thread(target=self._run, name="opsd-heartbeat", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)  # whatever way the process ends, its watcher stops waiting for it
 
     def _key(self, rank: int, what: str = "beat") -> str:
         return f"{self.prefix}{rank}/{what}"
@@ -61,6 +63,7 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
+        atexit.unregister(self.stop)
         self._thread.join(timeout=self.interval_s + 5)
         try:
             self.store.set(self._key(self.rank), DONE)
