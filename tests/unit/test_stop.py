@@ -41,3 +41,39 @@ def test_a_dropped_step_leaves_the_data_position_and_the_random_streams_as_they_
     start.restore(stream)
     assert [s.id for s in stream.take(2)] == [s.id for s in expected_next]
     assert torch.equal(torch.rand(3), expected_draw)
+
+
+class FakeCheckpoints:
+    def __init__(self, last_saved_step):
+        self.last_saved_step, self.saved = last_saved_step, []
+
+    def save(self, step, record):
+        self.saved.append(step)
+
+
+def stopped_run(tmp_path, *, step, last_saved_step, save_on_signal=True):
+    from types import SimpleNamespace
+
+    from opsd.config import config_from_dict
+    from opsd.train import stop_run
+    from opsd.trainer.stop import StopRequest
+
+    cfg = config_from_dict({"model": {"path": "m"}, "data": {"path": "d"},
+                            "checkpoint": {"save_on_signal": save_on_signal}})
+    run = SimpleNamespace(cfg=cfg, step=step, last_record={}, output_dir=tmp_path,
+                          checkpoints=FakeCheckpoints(last_saved_step))
+    stopped = stop_run(run, signal.SIGTERM, StopRequest(signum=signal.SIGTERM, at=time.monotonic()))
+    return run.checkpoints.saved, stopped
+
+
+@pytest.mark.parametrize("step, last_saved_step, save_on_signal, saved", [
+    (4, 3, True, [4]),  # the last finished step is saved
+    (3, 3, True, []),  # it was just saved (a save_every step, or the step a resume started from)
+    (0, None, True, []),  # nothing ran
+    (4, 3, False, []),  # checkpoint.save_on_signal=false
+])
+def test_the_stop_save_happens_once_and_only_when_asked(tmp_path, step, last_saved_step, save_on_signal, saved):
+    done, stopped = stopped_run(tmp_path, step=step, last_saved_step=last_saved_step, save_on_signal=save_on_signal)
+    assert done == saved
+    assert stopped.signal_name == "SIGTERM" and stopped.step == step
+    assert str(stopped).startswith(f"stopped by SIGTERM at step {step} (") and "no checkpoint was written" in str(stopped)
