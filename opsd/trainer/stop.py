@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opsd.trainer.rng import rng_state, set_rng_state
 
@@ -80,6 +80,7 @@ class StopRequest:
     """`time.monotonic()` at the first signal."""
     announce: bool = True
     """Say on stderr that the request was heard (rank 0)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def requested(self) -> bool:
@@ -90,15 +91,19 @@ class StopRequest:
         signum = int(ranks.max([float(self.signum or 0)])[0])
         return signum or None
 
-    def heard(self, signum: int) -> None:
-        """A stop signal arrived: the first sets the request, a later one (after the grace) exits now."""
+    def heard(self, signum: int, *, first_only: bool = False) -> None:
+        """A stop signal arrived: the first sets the request, a later one (after the grace) exits now
+        (`first_only`: only the first counts)."""
         name = signal.Signals(signum).name
-        if self.signum is None:
-            self.signum, self.at = signum, time.monotonic()
+        with self._lock:
+            first = self.signum is None
+            if first:
+                self.signum, self.at = signum, time.monotonic()
+        if first:
             if self.announce:
                 _say(f"stop: {name} received: the run stops after the step in progress (one still sampling is "
                      f"dropped), saves and exits with status {EXIT_STOPPED}; send it again to exit at once without saving")
-        elif time.monotonic() - self.at > SAME_REQUEST_S:
+        elif not first_only and time.monotonic() - self.at > SAME_REQUEST_S:
             _say(f"stop: second {name}: exiting now without saving (status {128 + signum})")
             os._exit(128 + signum)
 
@@ -139,7 +144,9 @@ def stop_on_signals(*, announce: bool = True):
         return
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    previous = {s: signal.signal(s, lambda *_: None) for s in STOP_SIGNALS}  # the watcher acts, not this
+    # The watcher acts; the handler only makes sure a first signal counts should something else take
+    # the wakeup descriptor over (an asyncio loop in the main thread would).
+    previous = {s: signal.signal(s, lambda signum, _: request.heard(signum, first_only=True)) for s in STOP_SIGNALS}
     previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     watcher = threading.Thread(target=_watch, args=(request, read_fd), name="opsd-stop-signals", daemon=True)
     watcher.start()
