@@ -79,8 +79,9 @@ class VLLMEngine:
     ):
         """Defaults are the config's (opsd/config.py); `engine_args` (opsd/rollout/vllm_args.py) says
         what each option sets in vLLM."""
-        rpc_dir = _set_env_defaults()
-        self._remove_rpc_dir = weakref.finalize(self, _remove_rpc_dir, rpc_dir) if rpc_dir else None
+        self.rpc_dir = _set_env_defaults()
+        """This engine's socket directory (None: the user's VLLM_RPC_BASE_PATH); removed on close."""
+        self._remove_rpc_dir = weakref.finalize(self, _remove_rpc_dir, self.rpc_dir) if self.rpc_dir else None
         check_vllm_version()
         from vllm import LLM
 

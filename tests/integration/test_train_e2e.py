@@ -2,7 +2,6 @@
 
 import json
 import math
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -20,10 +19,14 @@ REQUIRED_KEYS = {
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir):
-    engine_dirs = set(Path(tempfile.gettempdir()).glob("opsd-vllm-*"))
+def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir, monkeypatch):
+    import opsd.train
+
+    engines, make_engine = [], opsd.train.make_engine
+    monkeypatch.setattr(opsd.train, "make_engine", lambda *a: engines.append(make_engine(*a)) or engines[-1])
     output_dir = train(demo_config(tmp_path, tiny_vlm_dir, grid_data_dir))
-    assert set(Path(tempfile.gettempdir()).glob("opsd-vllm-*")) <= engine_dirs  # the engine removed its own
+    rpc_dir = Path(engines[0].rpc_dir)
+    assert rpc_dir.name.startswith("opsd-vllm-") and not rpc_dir.exists()  # the engine removed its temporary directory
     records = read_metrics(output_dir)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     baseline, trained = records[0], records[1:]
