@@ -38,7 +38,7 @@ CONTROLS = {
     "noise": ["data.datasets.0.columns.privileged_text=irrelevant"],
     # One copy of each reference instead of samples_per_prompt identical ones: the same per-token
     # mean loss and gradient, a quarter of the forward.
-    "sft": ["loss.kind=sft", "loss.ce_weight=1", "loss.jsd_weight=0", "rollout.samples_per_prompt=1"],
+    "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1"],
 }
 STAGES = ("rollout", "train", "weight_sync")
 
@@ -81,9 +81,9 @@ def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) ->
         for r in records if "eval/accuracy" in r
     ]
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
-    from opsd.scoring import DISTILL_METRIC  # the distillation term is logged under its loss kind's name
+    from opsd.loss_kinds import DISTILL_METRICS  # the distillation term is logged under its loss kind's name
 
-    distill = next((k for k in DISTILL_METRIC.values() if steps and k in steps[0]), None)
+    distill = next((k for k in DISTILL_METRICS if steps and k in steps[0]), None)
     stage_s = {stage: sum(r.get(f"time_{stage}_s", 0.0) for r in steps) for stage in STAGES}
     stage_s["eval"] = sum(e["seconds"] for e in evals)
     if wall_s is None:
@@ -96,7 +96,7 @@ def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) ->
         "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"] if evals else None,
         "steps": len(steps),
         "completion_tokens": sum(r["completion_tokens"] for r in steps),
-        "distill_first_last": [steps[0][distill], steps[-1][distill]] if steps else None,
+        "distill_first_last": [steps[0][distill], steps[-1][distill]] if distill else None,  # sft: none
         "ce_first_last": [steps[0]["ce"], steps[-1]["ce"]] if steps else None,
         "wall_s": wall_s,
         "cpu_s": cpu_s,

@@ -38,9 +38,10 @@ from opsd.config import ModelConfig, PromptConfig  # noqa: E402
 from opsd.data.sample import Sample  # noqa: E402
 from opsd.data.synthetic import generate_samples  # noqa: E402
 from opsd.modeling import load_model, load_processor  # noqa: E402
-from opsd.prompts import placeholder_token_ids, student_prompt  # noqa: E402
+from opsd.prompts import placeholder_token_ids, student_prompt, tokenizer_of  # noqa: E402
 from opsd.rollout.engine import SamplingSettings  # noqa: E402
 from opsd.rollout.hf_engine import HFEngine  # noqa: E402
+from opsd.rollout.vllm_args import VLLMOptions  # noqa: E402
 from opsd.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def bench_model(kind: str, args) -> dict:
         if kind == "text":
             samples = [Sample(s.id, s.question, images=[], privileged_images=[]) for s in samples]
         prompts = [student_prompt(s, processor, PromptConfig()) for s in samples]
-        eos = getattr(processor, "tokenizer", processor).eos_token_id
+        eos = tokenizer_of(processor).eos_token_id
         banned = [*placeholder_token_ids(processor), eos]
         sampling = SamplingSettings(max_new_tokens=args.max_new_tokens, banned_token_ids=banned)
 
@@ -79,7 +80,7 @@ def bench_model(kind: str, args) -> dict:
             res[name] = timed(HFEngine(model, processor, batch_size=batch_size), prompts, sampling, args.repeats)
         del model
 
-        engine = VLLMEngine(path, dtype=args.dtype, max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+        engine = VLLMEngine(VLLMOptions(path, dtype=args.dtype, max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
         llm = engine.llm
 
         def clear_caches():

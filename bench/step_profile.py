@@ -57,8 +57,7 @@ def profile(cfg, log_file, steps: int):
     threads = torch.get_num_threads()
 
     evaluation: dict = {}
-    settings = SamplingSettings(max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0,
-                                banned_token_ids=placeholder_token_ids(run.processor))
+    settings = SamplingSettings.greedy(cfg.eval.max_new_tokens, placeholder_token_ids(run.processor))
     for label, prompt_cfg in (("privileged", cfg.prompts), ("no_privileged", dataclasses.replace(cfg.prompts, privileged=[]))):
         lists = [[render(s, run.processor, prompt_cfg) for s in run.evaluator.samples] for render in (student_prompt, teacher_prompt)]
         with timed(evaluation, f"{label}_two_calls"):
@@ -70,13 +69,14 @@ def profile(cfg, log_file, steps: int):
     stages: dict = {}
     for step in range(1, steps + 1):
         with timed(stages, "rollout"):
-            samples, prompts, completions = sample(run, step)
+            rollout = sample(run, step)
         with timed(stages, "sequences"):
-            examples, _, step_tokens = build_sequences(run, samples, prompts, completions)
+            examples, _, step_tokens = build_sequences(run, rollout)
         for share, stage in ((False, "score_backward_optimizer_unshared"), (True, "score_backward_optimizer")):
-            run.cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, share_prompt_forward=share))
+            packing = cfg.train.max_forward_tokens if share else None  # train.share_prompt_forward
+            run.step.scoring = dataclasses.replace(run.step.scoring, packed_row_tokens=packing)
             with timed(stages, stage):
-                update_student(run, examples, step_tokens, None, samples[0])
+                update_student(run, examples, step_tokens, None, rollout.samples[0])
                 advance_schedules(run)
         with timed(stages, "weight_sync"):
             sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)

@@ -75,12 +75,13 @@ def measure(size: str, bucket_mb: float, repeats: int) -> dict:
     """Runs in the child process."""
     from transformers import AutoModelForCausalLM
 
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
     from opsd.rollout.weight_sync import push_weights
 
     with tempfile.TemporaryDirectory(prefix="opsd-bench-") as tmp:
         build_model(Path(tmp), SIZES[size])
-        engine = VLLMEngine(tmp, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True)
+        engine = VLLMEngine(VLLMOptions(tmp, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True))
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
         stats = []
         sync_s = median_seconds(lambda: stats.append(push_weights(model, engine, bucket_mb=bucket_mb)), repeats)
@@ -114,11 +115,12 @@ def measure_lora(sync: str, model_dir: str, rank: int, bucket_mb: float, repeats
 
     from opsd import lora
     from opsd.config import LoraConfig
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
     from opsd.rollout.weight_sync import sync_student
 
-    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True,
-                        max_lora_rank=rank if sync == "adapter" else None)
+    engine = VLLMEngine(VLLMOptions(model_dir, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True,
+                                    max_lora_rank=rank if sync == "adapter" else None))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if sync != "full":
         model = lora.add_lora(model, LoraConfig(rank=rank, alpha=2 * rank))
@@ -132,10 +134,7 @@ def measure_lora(sync: str, model_dir: str, rank: int, bucket_mb: float, repeats
 
 
 class CountingReceiver:
-    """Takes the weights in `weight_dtype` and drops them: only the gather is measured."""
-
-    def __init__(self, weight_dtype: torch.dtype):
-        self.weight_dtype = weight_dtype
+    """Takes the weights and drops them: only the gather is measured."""
 
     def begin_weight_update(self) -> None:
         pass
@@ -171,7 +170,7 @@ def _gather_rank(rank: int, port: int, size: str, repeats: int, out: str) -> Non
     result = {}
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         stats = []
-        seconds = median_seconds(lambda: stats.append(push_weights(model, CountingReceiver(dtype))), repeats)
+        seconds = median_seconds(lambda: stats.append(push_weights(model, CountingReceiver(), dtype=dtype)), repeats)
         result[name] = {"gathered_bytes": stats[-1].gathered_bytes, "pushed_bytes": stats[-1].bytes, "seconds": round(seconds, 4)}
     if rank == 0:
         result["bfloat16_over_float32_bytes"] = result["bfloat16"]["gathered_bytes"] / result["float32"]["gathered_bytes"]

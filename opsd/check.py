@@ -24,17 +24,18 @@ from opsd.data.dataset import split_samples
 from opsd.device import resolve_device
 from opsd.loss import GuardrailSums
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import is_multimodal, student_prompt
-from opsd.rollout import make_engine, sampling_settings
-from opsd.rollout.weight_sync import push_weights
-from opsd.scoring import check_scoring_matches_forward, score_examples
-from opsd.sequences import Example, build_examples, build_sample_examples, encode_prompt, prompt_length_check
+from opsd.pipeline import rollout_examples, sample_rollout
+from opsd.prompts import is_multimodal
+from opsd.rollout import make_engine
+from opsd.rollout.weight_sync import sync_student
+from opsd.scoring import Scoring, check_scoring_matches_forward
+from opsd.sequences import Example, prompt_length_check
 from opsd.teacher import make_teacher
 from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import launched_by_torchrun
 from opsd.trainer.optim import build_optimizer
 from opsd.trainer.rng import seed_everything
-from opsd.trainer.step import train_step
+from opsd.trainer.step import TrainStep
 
 DIVERGENCE_TOLERANCE = 1e-6
 """|divergence| allowed when teacher and student score the same sequence with the same weights."""
@@ -53,15 +54,16 @@ class Scores:
 
 
 @torch.no_grad()
-def score(cfg: Config, student, teacher, examples: list[Example], pad_id: int) -> Scores:
+def score(scoring: Scoring, student, teacher, examples: list[Example]) -> Scores:
     """The distillation term and the engine/trainer mismatch of `examples`, without gradients."""
     distill, mismatch, sums = [], [], GuardrailSums()
-    for _, scored in score_examples(student, teacher, examples, cfg, pad_id):
+    for _, scored in scoring.examples(student, teacher, examples):
         distill.append(scored.distill.float())
         mismatch.append((scored.student_logprobs - scored.engine_logprobs).abs())
-        sums.add(scored.guardrails(cfg.loss))
+        sums.add(scored.guardrails(scoring.loss))
     distill, mismatch = torch.cat(distill), torch.cat(mismatch)
-    return Scores(distill.mean().item(), distill.abs().max().item(), mismatch.max().item(), distill.numel(), sums.metrics())
+    guardrails = {name: value for name, value in sums.metrics().items() if name in scoring.loss.guardrail_names}
+    return Scores(distill.mean().item(), distill.abs().max().item(), mismatch.max().item(), distill.numel(), guardrails)
 
 
 CHECK_LOG = "check.log"
@@ -81,7 +83,7 @@ def _run_checks(cfg: Config, out, log_file) -> bool:
     device = resolve_device(cfg.train.device)
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
-    pad_id = getattr(processor, "tokenizer", processor).pad_token_id
+    scoring = Scoring.from_config(cfg, processor)
     length_check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     samples, _ = split_samples(cfg, cfg.prompts_per_step, split="train", check=length_check, multimodal=is_multimodal(processor))
     with native_output_to_log(None if cfg.logging.verbose else log_file):
@@ -91,41 +93,34 @@ def _run_checks(cfg: Config, out, log_file) -> bool:
         student = load_model(cfg.model, processor, device)
         check_scoring_matches_forward(student)
         teacher = make_teacher(cfg.teacher, student)
-        push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)  # the sync path, as a run starts
-        prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
-        completions = engine.generate(prompts, sampling_settings(cfg, 1, processor))
-        encoded = [encode_prompt(processor, p) for p in prompts]
-        same, _ = build_examples(encoded, encoded, [s.id for s in samples], completions, cfg.train.max_forward_tokens)
+        sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)  # the sync path, as a run starts
+        rollout = sample_rollout(engine, samples, processor, cfg, 1)
+        same, _ = rollout_examples(rollout, processor, cfg, privileged=False)
         if not same:
             out("check FAILED: no completion to score (empty completions or prompts longer than train.max_forward_tokens)")
             return False
-        plain = score(cfg, student, student, same, pad_id)
+        plain = score(scoring, student, student, same)
         plain_ok = abs(plain.divergence_max) <= DIVERGENCE_TOLERANCE and plain.mismatch_max < MISMATCH_TOLERANCE
         out(f"check 1, no privileged information (teacher prompt = student prompt, teacher = student), "
             f"{plain.tokens} tokens: divergence {plain.divergence:.3g} (max {plain.divergence_max:.3g}, must be "
             f"<= {DIVERGENCE_TOLERANCE:g}), engine/trainer logprob gap max {plain.mismatch_max:.3g} "
             f"(must be < {MISMATCH_TOLERANCE:g}): {'ok' if plain_ok else 'FAILED'}")
 
-        privileged, _ = build_sample_examples(processor, cfg.prompts, samples, prompts, completions, cfg.train.max_forward_tokens)
+        privileged, _ = rollout_examples(rollout, processor, cfg)
         if not privileged:
             out("check FAILED: no completion fits beside the teacher's prompt (train.max_forward_tokens)")
             return False
-        with_info = score(cfg, student, teacher, privileged, pad_id)
+        with_info = score(scoring, student, teacher.scorer, privileged)
         guardrails = ", ".join(f"{k} {v:.3g}" for k, v in with_info.guardrails.items())
-        out(f"check 2, with privileged {'+'.join(cfg.prompts.privileged)} (teacher {cfg.teacher.mode}), "
+        out(f"check 2, with privileged {'+'.join(cfg.prompts.privileged)} (teacher {teacher.mode}), "
             f"{with_info.tokens} tokens: divergence {with_info.divergence:.4g} per token (max {with_info.divergence_max:.3g}); "
             f"{guardrails}")
 
-        optimizer = build_optimizer(cfg.optim, student)
-        train_step(student, teacher, privileged, optimizer, loss_cfg=cfg.loss,
-                   micro_batch_size=cfg.micro_batch_size,
-                   max_grad_norm=cfg.optim.max_grad_norm, dtype=cfg.model.dtype, pad_id=pad_id,
-                   packed_row_tokens=cfg.train.packed_row_tokens)
-        moved = score(cfg, student, student, same, pad_id).mismatch_max  # new trainer vs old engine logprobs
-        push_weights(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
-        fresh = engine.generate(prompts, sampling_settings(cfg, 2, processor))
-        after, _ = build_examples(encoded, encoded, [s.id for s in samples], fresh, cfg.train.max_forward_tokens)
-        synced = score(cfg, student, student, after, pad_id) if after else None
+        TrainStep(student, teacher.scorer, build_optimizer(cfg.optim, student), scoring, cfg.optim.max_grad_norm)(privileged)
+        moved = score(scoring, student, student, same).mismatch_max  # new trainer vs old engine logprobs
+        sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)
+        after, _ = rollout_examples(sample_rollout(engine, samples, processor, cfg, 2), processor, cfg, privileged=False)
+        synced = score(scoring, student, student, after) if after else None
         synced_ok = synced is not None and synced.mismatch_max < MISMATCH_TOLERANCE
         gap = f"{synced.mismatch_max:.3g}" if synced else "nothing sampled"
         note = "" if moved > 10 * MISMATCH_TOLERANCE else " (the update moved them too little for this to show the sync)"

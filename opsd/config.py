@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator,
+)
 from pydantic.dataclasses import dataclass
 
 _STRICT = ConfigDict(extra="forbid")
@@ -268,7 +270,8 @@ class RolloutConfig:
     """vLLM without CUDA graphs or compilation: slower decoding, faster start. Always on without CUDA
     (vLLM's CPU build fails to compile)."""
     sync_bucket_mb: Annotated[float, Field(gt=0)] = 256
-    """Weight sync streams full tensors to the engine in buckets of at most this size."""
+    """Weight sync streams full tensors to the engine in buckets of at most this size; a tensor larger
+    than the bucket travels alone, in a bucket of its own size."""
     server: ServerEngineConfig = dataclasses.field(default_factory=ServerEngineConfig)
     """The out-of-process engine (`engine: server`)."""
     tensor_parallel_size: Annotated[int, Field(gt=0)] = 1
@@ -293,12 +296,12 @@ class RolloutConfig:
 
 
 @dataclass(config=_STRICT)
-class LossConfig:
-    kind: Literal["jsd", "tinker", "sft"] = "jsd"
-    """Per-token distillation term: `jsd`, the generalized JSD over the teacher's top-k (the OPSD
-    reference); `tinker`, a policy gradient on the sampled token with the reverse KL as advantage;
-    `sft`, the off-policy baseline: no sampling, no teacher and no distillation term, cross-entropy
-    (`ce_weight`) on each sample's privileged text (worked solution, fact) as the completion."""
+class JsdLossConfig:
+    """`loss.kind: jsd`, the OPSD reference: the generalized JSD between the student's and the teacher's
+    next-token distributions over the teacher's top-k tokens, clipped."""
+
+    kind: Literal["jsd"] = "jsd"
+    """Selects this section (`jsd` is the default)."""
     beta: Probability = 0.5
     """0 = KL(teacher || student), 1 = KL(student || teacher), else generalized JSD."""
     temperature: Positive = 1.0
@@ -310,7 +313,7 @@ class LossConfig:
     clip_mode: Literal["entry", "token"] = "entry"
     """`entry`: clamp each vocabulary entry before the sum (reference); `token`: clamp the sum."""
     jsd_weight: NonNegative = 1.0
-    """Weight of the distillation term (of either `kind`) in the loss."""
+    """Weight of the JSD term in the loss."""
     ce_weight: NonNegative = 0.0
     """Weight of cross-entropy on the sampled completion tokens."""
     chunk_size: Annotated[int, Field(gt=0)] = 1024
@@ -318,14 +321,85 @@ class LossConfig:
 
 
 @dataclass(config=_STRICT)
+class TinkerLossConfig:
+    """`loss.kind: tinker`, Thinking Machines' on-policy distillation: a policy gradient on each sampled
+    token with the per-token reverse KL (teacher minus student logprob) as its advantage. Its value
+    is a surrogate, not a divergence: it can be negative."""
+
+    kind: Literal["tinker"] = "tinker"
+    """Selects this section (`tinker`)."""
+    temperature: Positive = 1.0
+    """Both roles' logprobs of the sampled token are taken at this temperature."""
+    tinker_weight: NonNegative = 1.0
+    """Weight of the tinker term in the loss."""
+    ce_weight: NonNegative = 0.0
+    """Weight of cross-entropy on the sampled completion tokens."""
+
+
+@dataclass(config=_STRICT)
+class SftLossConfig:
+    """`loss.kind: sft`, the off-policy baseline: no sampling, no teacher, no distillation term;
+    cross-entropy on each sample's privileged text (worked solution, fact) as the completion."""
+
+    kind: Literal["sft"] = "sft"
+    """Selects this section (`sft`)."""
+    ce_weight: Positive = 1.0
+    """Weight of the cross-entropy (it is the whole loss)."""
+
+
+LOSS_CONFIGS = {"jsd": JsdLossConfig, "tinker": TinkerLossConfig, "sft": SftLossConfig}
+"""`loss.kind` -> its section; a section holds only the settings its kind uses."""
+RENAMED_LOSS_KEYS = {("tinker", "jsd_weight"): "tinker_weight"}
+"""(kind, former key) -> the key's name in that kind's section."""
+
+
+def _loss_kind(section: Any) -> str | None:
+    """The `loss` section's kind; a section that names none is `jsd`."""
+    if isinstance(section, dict):
+        return section.get("kind", "jsd")
+    return getattr(section, "kind", None)
+
+
+LossConfig = Annotated[
+    Annotated[JsdLossConfig, Tag("jsd")] | Annotated[TinkerLossConfig, Tag("tinker")] | Annotated[SftLossConfig, Tag("sft")],
+    Discriminator(_loss_kind, custom_error_type="loss_kind", custom_error_message=f"must be one of {', '.join(LOSS_CONFIGS)}"),
+]
+"""The `loss` section: one of the kinds' sections, chosen by its `kind` (default `jsd`)."""
+
+
+def loss_key_hint(kind: str, key: str) -> str:
+    """Why `key` is refused in the section of loss kind `kind`, and what to write instead."""
+    renamed = RENAMED_LOSS_KEYS.get((kind, key))
+    if renamed:
+        return f"loss.kind={kind} calls it loss.{renamed}"
+    takes = ", ".join(f.name for f in dataclasses.fields(LOSS_CONFIGS[kind]) if f.name != "kind")
+    owners = [other for other, section in LOSS_CONFIGS.items() if key in {f.name for f in dataclasses.fields(section)}]
+    if not owners:
+        return f"loss.kind={kind} has no {key}; it takes {takes}"
+    return (f"a setting of loss.kind={'/'.join(owners)}, not of {kind}, which takes {takes}; to switch kinds "
+            f"from the command line, replace the section: 'loss={{kind: {kind}}}'")
+
+
+TEACHER_MODES = ("self", "ema", "fixed", "base")
+"""The values of `teacher.mode`; each has its class in opsd/teacher.py (`TEACHERS`)."""
+
+
+@dataclass(config=_STRICT)
 class TeacherConfig:
-    mode: Literal["self", "ema", "fixed", "base"] = "self"
-    """`self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen initial copy; `base`:
-    the initial weights. With `model.lora`, `base` is the student with its adapter switched off (no
-    copy) and `ema` is a second adapter holding the EMA of the adapter's weights (no model copy);
-    without LoRA, `base` is the same as `fixed`."""
+    mode: str = "self"
+    """One of `TEACHER_MODES`. `self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen
+    initial copy; `base`: the initial weights. With `model.lora`, `base` is the student with its adapter
+    switched off (no copy) and `ema` is a second adapter holding the EMA of the adapter's weights (no
+    model copy); without LoRA, `base` is the same as `fixed` (opsd/teacher.py has one class per mode)."""
     ema_decay: Probability = 0.995
     """`ema` only: after each step, teacher = decay * teacher + (1 - decay) * student."""
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        if mode not in TEACHER_MODES:
+            raise ValueError(f"must be one of {', '.join(TEACHER_MODES)}")
+        return mode
 
 
 @dataclass(config=_STRICT)
@@ -511,8 +585,8 @@ class Config:
     """How the student's and the teacher's prompts are written."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """The sampling engine and its settings."""
-    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    """The per-token distillation term and its weights."""
+    loss: LossConfig = dataclasses.field(default_factory=JsdLossConfig)
+    """The per-token distillation term and its weights: the section of one `kind`."""
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
     """Which weights score the teacher prompts."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -555,19 +629,30 @@ class Config:
             if lora.vision_target_modules:
                 raise ValueError("model.lora.vision_target_modules: adapters on the vision tower are synced merged "
                                  "only; set rollout.lora_sync=merged")
-        if self.loss.kind == "sft" and self.loss.ce_weight == 0:
-            raise ValueError("loss.kind=sft trains on cross-entropy alone: set loss.ce_weight > 0")
-        if self.loss.kind == "sft" and "text" not in self.prompts.privileged:
+        if isinstance(self.loss, SftLossConfig) and "text" not in self.prompts.privileged:
             raise ValueError("loss.kind=sft trains on the privileged text: prompts.privileged must hold text")
         return self
+
+
+def _located(error: dict) -> tuple[str, str, Any]:
+    """(dotted key, message, the value at fault) of one validation error. The `loss` union's tag is
+    no key of the file: `loss.jsd.beta` is `loss.beta`, and a key of another kind says so."""
+    loc, msg, value = list(error["loc"]), error["msg"], error["input"]
+    if loc[:1] == ["loss"] and len(loc) > 1 and loc[1] in LOSS_CONFIGS:
+        kind = loc.pop(1)
+        if error["type"] == "unexpected_keyword_argument":
+            msg = loss_key_hint(kind, str(loc[-1]))
+    if error["type"] == "loss_kind" and isinstance(value, dict):
+        loc, value = ["loss", "kind"], value.get("kind")
+    return ".".join(str(p) for p in loc) or "<root>", msg, value
 
 
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
-        lines.append(f"{key}: {e['msg']}{got}")
+        key, msg, value = _located(e)
+        shown = e["type"] != "missing" and not isinstance(value, dict)
+        lines.append(f"{key}: {msg}" + (f" (got {value!r})" if shown else ""))
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

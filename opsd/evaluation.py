@@ -1,7 +1,8 @@
 """Evaluation: greedy answers from the rollout engine, scored by normalised exact match.
 
 Every `eval.every` steps (and after the last) the engine, which holds the current student weights,
-answers the fixed evaluation set greedily. The answer is the last match of `eval.answer_pattern`
+answers the fixed evaluation set greedily: one `generate` call with `SamplingSettings.greedy`
+(temperature 0, one completion per prompt), whatever the rollout settings. The answer is the last match of `eval.answer_pattern`
 in the completion (`<answer>...</answer>` by default); it is right when it equals the reference
 answer after normalisation. With `eval.with_teacher_prompt` the same set is also answered from
 the teacher's prompt: the gap between the two accuracies is what the privileged information is
@@ -64,7 +65,7 @@ def generate_once(prompt_lists: list[list[Prompt]], engine, settings: SamplingSe
     distinct = {key(p): p for prompts in prompt_lists for p in prompts}
     keys = list(distinct)
     # A tensor-parallel engine samples as a group: every rank of it calls, even with nothing to ask.
-    collective = getattr(engine, "generate_is_collective", False)
+    collective = engine.capabilities.generate_is_collective
     completions = engine.generate(list(distinct.values()), settings) if distinct or collective else []
     text_of = {keys[c.prompt_index]: c.text for c in completions}
     return [[text_of[key(p)] for p in prompts] for prompts in prompt_lists]
@@ -79,9 +80,7 @@ def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig,
     """
     t0 = time.perf_counter()
     mine = samples[ranks.rank :: ranks.world_size] if ranks is not None else samples
-    settings = SamplingSettings(
-        max_new_tokens=cfg.max_new_tokens, temperature=0.0, n=1, banned_token_ids=placeholder_token_ids(processor)
-    )
+    settings = SamplingSettings.greedy(cfg.max_new_tokens, placeholder_token_ids(processor))
     roles = [("", student_prompt)] + ([("teacher_", teacher_prompt)] if cfg.with_teacher_prompt else [])
     texts_of_role = generate_once([[render(s, processor, prompt_cfg) for s in mine] for _, render in roles], engine, settings)
     counts = []

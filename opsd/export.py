@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from opsd.lora import is_adapter_dir
+from opsd.teacher import TEACHER_DIR_WEIGHTS, saved_weights
 from opsd.trainer.checkpoint import MODEL_DIR, TEACHER_DIR, CheckpointError, resolve_checkpoint, verify_checkpoint
 
 
@@ -53,8 +54,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, ema: bool = Fa
     source = resolve_checkpoint(Path(checkpoint))
     role = TEACHER_DIR if ema else MODEL_DIR
     manifest = verify_checkpoint(source, under=f"{role}/")
-    if ema and manifest["teacher_mode"] != "ema":
-        raise CheckpointError(f"checkpoint {source} has no EMA teacher: it was written with teacher.mode={manifest['teacher_mode']}")
+    mode = manifest["teacher_mode"]
+    if ema and saved_weights(mode) != TEACHER_DIR_WEIGHTS:
+        raise CheckpointError(f"checkpoint {source} has no EMA teacher: it was written with teacher.mode={mode}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"--out {out} exists and is not empty")

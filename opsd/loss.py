@@ -1,8 +1,8 @@
 """Per-token distillation losses on completion positions.
 
-`generalized_jsd` is the OPSD reference loss (see notes/opsd-method.md): top-k on the teacher,
-temperature, beta-mixture divergence (TRL convention), elementwise clip, sum over the vocabulary,
-times T^2. `tinker_loss` is Thinking Machines' on-policy distillation: a policy gradient on the
+`generalized_jsd` is the OPSD reference loss, step for step as the Visual-OPSD reference code
+computes it: top-k on the teacher, temperature, beta-mixture divergence (TRL convention),
+elementwise clip, sum over the vocabulary, times T^2. `tinker_loss` is Thinking Machines' on-policy distillation: a policy gradient on the
 sampled token with the per-token reverse KL as (negative) advantage.
 
 Both return an unreduced float32 [N] tensor (float64 for float64 inputs): the trainer divides the
@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GuardrailSums", "generalized_jsd", "guardrail_sums", "tinker_loss", "token_logprobs"]
 
-_TINKER_CHUNK_ROWS = 1024
+LOGPROB_CHUNK_ROWS = 1024
+"""Rows `token_logprobs` (and so `tinker_loss`) processes at once."""
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -129,7 +130,7 @@ def _sampled_logprob(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
     return scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
-def token_logprobs(logits: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+def token_logprobs(logits: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_size: int = LOGPROB_CHUNK_ROWS) -> Tensor:
     """log p(ids[i]) under softmax(logits[i] / T), [N] float32; chunked like the losses.
 
     The trainer uses it for CE on the sampled tokens and for the engine-vs-trainer logprob check.
@@ -168,15 +169,15 @@ def tinker_loss(
     if sampler_logprobs is not None and sampler_logprobs.shape != (n,):
         raise ValueError(f"sampler_logprobs must have shape ({n},), got {tuple(sampler_logprobs.shape)}")
 
-    student_lp = token_logprobs(student_logits, sampled_ids, temperature=temperature, chunk_size=_TINKER_CHUNK_ROWS)
+    student_lp = token_logprobs(student_logits, sampled_ids, temperature=temperature, chunk_size=LOGPROB_CHUNK_ROWS)
     with torch.no_grad():
-        teacher_lp = token_logprobs(teacher_logits, sampled_ids, temperature=temperature, chunk_size=_TINKER_CHUNK_ROWS)
+        teacher_lp = token_logprobs(teacher_logits, sampled_ids, temperature=temperature, chunk_size=LOGPROB_CHUNK_ROWS)
     advantage = (teacher_lp - student_lp).detach()
     if sampler_logprobs is None:
         return -advantage * student_lp
     with torch.no_grad():
         raw_lp = student_lp if temperature == 1 else token_logprobs(
-            student_logits, sampled_ids, chunk_size=_TINKER_CHUNK_ROWS
+            student_logits, sampled_ids, chunk_size=LOGPROB_CHUNK_ROWS
         )
         ratio = torch.exp(raw_lp - _upcast(sampler_logprobs))
     return -advantage * ratio * student_lp
@@ -217,9 +218,8 @@ class GuardrailSums:
 @torch.no_grad()
 def guardrail_sums(
     student_logits: Tensor,
-    teacher_logits: Tensor,
+    teacher_logits: Tensor | None,
     *,
-    kind: str = "jsd",
     beta: float = 0.5,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -230,12 +230,14 @@ def guardrail_sums(
     """What the loss leaves out or cuts, and how spread the student is, from the logits a step holds.
 
     Row chunks bound the float32 working copies to [chunk_size, V], as in the losses. The clip share
-    re-evaluates `generalized_jsd`'s per-entry terms on the teacher's top-k; `tinker` does not clip.
+    re-evaluates `generalized_jsd`'s per-entry terms on the teacher's top-k (token_clip 0: none).
+    Without `teacher_logits` only the student's entropy is summed.
     """
+    if teacher_logits is None:
+        teacher_logits, top_k, token_clip = student_logits, 0, 0.0
     _check_logits(student_logits, teacher_logits)
     sums = GuardrailSums(tokens=float(student_logits.shape[0]))
     vocab = student_logits.shape[-1]
-    clips = kind == "jsd" and token_clip > 0
     for s, t in zip(student_logits.detach().split(chunk_size), teacher_logits.detach().split(chunk_size)):
         log_s = F.log_softmax(_upcast(s), dim=-1)
         sums.student_entropy += float(-(log_s.exp() * log_s).sum())
@@ -249,7 +251,7 @@ def guardrail_sums(
         else:
             sums.teacher_topk_mass += float(s.shape[0])
             top_s, top_t = s, t
-        if clips:
+        if token_clip > 0:
             terms = _divergence_terms(top_s, top_t, beta, temperature)
             if clip_mode == "token":
                 terms = terms.sum(dim=-1)

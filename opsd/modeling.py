@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
 from opsd.config import ConfigError, ModelConfig
-from opsd.prompts import is_multimodal
+from opsd.prompts import is_multimodal, tokenizer_of
 from opsd.vl_processor import load_image_only_processor
 
 
@@ -47,7 +47,7 @@ def load_processor(cfg: ModelConfig):
         reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise ConfigError(f"model.path {cfg.path!r}: not a local model directory, and loading it as a Hugging Face "
                           f"hub model failed: {reason}") from None
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = tokenizer_of(processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return processor

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from PIL import Image
@@ -30,22 +30,33 @@ class Prompt:
     noise_last_images: int = 0
     """The last n images are privileged ones whose model inputs `encode_prompt` replaces with fresh
     standard normal noise (`prompts.noise: normal`); engines take `images` as they are."""
+    system: str = ""
+    """The system message `text` was rendered from."""
+    parts: list[str | Image.Image] = field(default_factory=list)
+    """The user turn `text` was rendered from: strings and images in order. An engine that changes a
+    prompt (e.g. adds a suffix) renders the changed parts again with `render_prompt`."""
 
 
 def is_multimodal(processor) -> bool:
     return hasattr(processor, "image_processor")
 
 
+def tokenizer_of(processor):
+    """The tokenizer of a model's processor; a text model's processor is its tokenizer."""
+    return getattr(processor, "tokenizer", processor)
+
+
 def placeholder_token_ids(processor) -> list[int]:
     """Ids of the special tokens that stand for images or videos (never to be sampled)."""
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = tokenizer_of(processor)
     names = set(tokenizer.all_special_tokens) | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     pattern = re.compile(r"image|img|vision|video", re.IGNORECASE)
     return sorted(tokenizer.convert_tokens_to_ids(n) for n in names if pattern.search(n))
 
 
-def _render(processor, system: str, parts: list[str | Image.Image]) -> Prompt:
-    """Render chat messages; `parts` is the user turn: strings and images in order."""
+def render_prompt(processor, system: str, parts: list[str | Image.Image]) -> Prompt:
+    """Render a system message and a user turn (`parts`: strings and images in order) with the
+    model's chat template, ending with the assistant turn's opening, as every opsd prompt is."""
     images = [p for p in parts if isinstance(p, Image.Image)]
     if is_multimodal(processor):
         # The template joins content parts as they are; a newline keeps text parts apart.
@@ -62,11 +73,11 @@ def _render(processor, system: str, parts: list[str | Image.Image]) -> Prompt:
             raise ValueError("this model has no image processor, but the prompt holds images")
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return Prompt(text=text, images=images)
+    return Prompt(text=text, images=images, system=system, parts=list(parts))
 
 
 def student_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
-    return _render(processor, cfg.system, [*sample.images, sample.question])
+    return render_prompt(processor, cfg.system, [*sample.images, sample.question])
 
 
 def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
@@ -82,7 +93,7 @@ def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
         parts += [f"Reference answer: {sample.answer}"]
     if cfg.transition:
         parts.append(cfg.transition)
-    prompt = _render(processor, cfg.system, parts)
+    prompt = render_prompt(processor, cfg.system, parts)
     if cfg.noise == "normal":
         prompt.noise_last_images = len(privileged_images)
     return prompt

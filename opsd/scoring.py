@@ -1,8 +1,9 @@
 """Score completions with both roles: logits on the completion positions, per-token terms of the loss.
 
-`score_micro_batch` is the shared core of a training step and of offline rollout dumps: the student
-forward (with grad when enabled), the teacher forward without, and on the completion tokens the
-per-token distillation term (`distill`) and the student's logprob of each sampled token.
+`Scoring.micro_batch` is the shared core of a training step, `--check` and offline rollout dumps:
+the student forward (with grad when enabled), the teacher forward without (when the loss kind has a
+teacher), and on the completion tokens the per-token distillation term (`distill`) and the
+student's logprob of each sampled token.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Iterator
 
 import torch
 
-from opsd.config import Config, LossConfig
-from opsd.loss import GuardrailSums, generalized_jsd, guardrail_sums, tinker_loss, token_logprobs
+from opsd.config import Config
+from opsd.loss import GuardrailSums, token_logprobs
+from opsd.loss_kinds import Loss, build_loss, weighted_loss
+from opsd.prompts import tokenizer_of
 from opsd.sequences import Example, ForwardBatch, collate
 
 SCORING_METHOD = "opsd_completion_logits"
@@ -109,28 +112,6 @@ def autocast(device: torch.device, dtype: str):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def distillation_terms(student_logits, teacher_logits, sampled_ids, engine_logprobs, cfg: LossConfig) -> torch.Tensor:
-    """Per-token distillation term [N] of the configured loss kind (`distill` everywhere in opsd)."""
-    if cfg.kind == "tinker":
-        return tinker_loss(
-            student_logits, teacher_logits, sampled_ids,
-            temperature=cfg.temperature, sampler_logprobs=engine_logprobs,
-        )
-    return generalized_jsd(
-        student_logits, teacher_logits, beta=cfg.beta, temperature=cfg.temperature,
-        top_k=cfg.top_k, token_clip=cfg.token_clip, clip_mode=cfg.clip_mode, chunk_size=cfg.chunk_size,
-    )
-
-
-DISTILL_METRIC = {"jsd": "jsd", "tinker": "tinker_loss", "sft": "distill"}  # sft: always 0
-"""The logged name of the per-token mean of `distill`, by loss kind."""
-
-
-def weighted_loss(distill, ce, cfg: LossConfig):
-    """The loss from its two parts (per token, or summed): the one place the formula is written."""
-    return cfg.jsd_weight * distill + cfg.ce_weight * ce
-
-
 @dataclass
 class ScoredBatch:
     """Both roles' scores of one micro-batch, on its completion tokens in row-major order."""
@@ -138,60 +119,69 @@ class ScoredBatch:
     sampled_ids: torch.Tensor  # [N] the completion tokens
     engine_logprobs: torch.Tensor  # [N] the sampler's logprob of each
     student_logits: torch.Tensor  # [N, V], with grad when the caller enabled it
-    teacher_logits: torch.Tensor  # [N, V], no grad
+    teacher_logits: torch.Tensor  # [N, V], no grad (the student's, detached, for a loss without teacher)
     distill: torch.Tensor  # [N] per-token distillation term of the loss
     student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
 
-    def guardrails(self, cfg: LossConfig) -> GuardrailSums:
+    def guardrails(self, loss: Loss) -> GuardrailSums:
         """Sums behind the guardrail metrics (teacher top-k mass, clip share, student entropy)."""
-        return guardrail_sums(
-            self.student_logits, self.teacher_logits, kind=cfg.kind, beta=cfg.beta, temperature=cfg.temperature,
-            top_k=cfg.top_k, token_clip=cfg.token_clip, clip_mode=cfg.clip_mode, chunk_size=cfg.chunk_size,
-        )
+        return loss.guardrails(self.student_logits, self.teacher_logits)
 
-    def token_losses(self, cfg: LossConfig) -> torch.Tensor:
+    def token_losses(self, loss: Loss) -> torch.Tensor:
         """[N] per-token loss: distillation term plus CE on the sampled token, weighted."""
-        return weighted_loss(self.distill, -self.student_logprobs, cfg)
+        return weighted_loss(loss, self.distill, -self.student_logprobs)
 
 
-def score_micro_batch(
-    student: torch.nn.Module, teacher: torch.nn.Module, micro: list[Example], *,
-    loss_cfg: LossConfig, dtype: str, pad_id: int, packed_row_tokens: int | None = None,
-) -> ScoredBatch:
-    """Student forward (with grad when enabled), teacher forward without, per-token terms.
-
-    `packed_row_tokens`: the samples of one prompt share a forward of it in rows of up to this many
-    tokens (`collate`) where the model allows it (`packs_shared_prompts`); the scores are the same.
-    """
-    device = next(student.parameters()).device
-    completions = [e.completion_ids for e in micro]
-    student_batch = collate([e.student for e in micro], completions, pad_id,
-                            packed_row_tokens=packed_row_tokens if packs_shared_prompts(student) else None)
-    sampled = student_batch.completion_ids.to(device)
-    engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
-
-    with autocast(device, dtype):
-        student_logits = completion_logits(student, student_batch)
-        if loss_cfg.kind == "sft":  # no teacher: its scores are the student's, no distillation term
-            teacher_logits = student_logits.detach()
-        else:
-            teacher_batch = collate([e.teacher for e in micro], completions, pad_id,
-                                    packed_row_tokens=packed_row_tokens if packs_shared_prompts(teacher) else None)
-            with torch.no_grad():
-                teacher_logits = completion_logits(teacher, teacher_batch)
-    if loss_cfg.kind == "sft":
-        distill = torch.zeros(len(sampled), device=device)
-    else:
-        distill = distillation_terms(student_logits, teacher_logits, sampled, engine_logprobs, loss_cfg)
-    with torch.set_grad_enabled(loss_cfg.ce_weight > 0 and torch.is_grad_enabled()):
-        student_logprobs = token_logprobs(student_logits, sampled)
-    return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)
+def pad_token_id(processor) -> int:
+    """The id that pads scoring batches: the tokenizer's pad token."""
+    return tokenizer_of(processor).pad_token_id
 
 
-def score_examples(student, teacher, examples: list[Example], cfg: Config, pad_id: int) -> Iterator[tuple[list[Example], ScoredBatch]]:
-    """`score_micro_batch` over `examples` in the run's micro-batches, outside training (offline
-    dumps, `--check`): `(micro_batch, scores)` pairs; gradients as the caller's context says."""
-    for start in range(0, len(examples), cfg.micro_batch_size):
-        micro = examples[start : start + cfg.micro_batch_size]
-        yield micro, score_micro_batch(student, teacher, micro, loss_cfg=cfg.loss, dtype=cfg.model.dtype,
-                                       pad_id=pad_id, packed_row_tokens=cfg.train.packed_row_tokens)
+@dataclass(frozen=True)
+class Scoring:
+    """How a run scores its examples, built once from the config: the loss object, the compute dtype,
+    the pad id, micro-batches and packing. Shared by a training step, `--check` and offline dumps."""
+
+    loss: Loss
+    dtype: str = "float32"
+    """`model.dtype`: float32, or bfloat16 autocast."""
+    pad_id: int = 0
+    micro_batch_size: int = 1
+    packed_row_tokens: int | None = None
+    """The samples of one prompt share a forward of it in rows of up to this many tokens (`collate`)
+    where the model allows it (`packs_shared_prompts`); the scores are the same."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, processor) -> "Scoring":
+        return cls(build_loss(cfg.loss), cfg.model.dtype, pad_token_id(processor), cfg.micro_batch_size,
+                   cfg.train.packed_row_tokens)
+
+    def _batch(self, model, prompts, completions) -> ForwardBatch:
+        packing = self.packed_row_tokens if packs_shared_prompts(model) else None
+        return collate(prompts, completions, self.pad_id, packed_row_tokens=packing)
+
+    def micro_batch(self, student, teacher, micro: list[Example]) -> ScoredBatch:
+        """Student forward (with grad when enabled), teacher forward without, per-token terms."""
+        device = next(student.parameters()).device
+        completions = [e.completion_ids for e in micro]
+        student_batch = self._batch(student, [e.student for e in micro], completions)
+        sampled = student_batch.completion_ids.to(device)
+        engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
+        with autocast(device, self.dtype):
+            student_logits = completion_logits(student, student_batch)
+            if self.loss.needs_teacher:
+                with torch.no_grad():
+                    teacher_logits = completion_logits(teacher, self._batch(teacher, [e.teacher for e in micro], completions))
+            else:  # no teacher forward: its scores are the student's
+                teacher_logits = student_logits.detach()
+        distill = self.loss.distill(student_logits, teacher_logits, sampled, engine_logprobs)
+        with torch.set_grad_enabled(self.loss.weights[1] > 0 and torch.is_grad_enabled()):  # CE only when weighted
+            student_logprobs = token_logprobs(student_logits, sampled)
+        return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)
+
+    def examples(self, student, teacher, examples: list[Example]) -> Iterator[tuple[list[Example], ScoredBatch]]:
+        """`micro_batch` over `examples` in the run's micro-batches, outside training (offline dumps,
+        `--check`): `(micro_batch, scores)` pairs; gradients as the caller's context says."""
+        for start in range(0, len(examples), self.micro_batch_size):
+            micro = examples[start : start + self.micro_batch_size]
+            yield micro, self.micro_batch(student, teacher, micro)

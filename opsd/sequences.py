@@ -12,7 +12,7 @@ import torch
 
 from opsd.data.errors import BadSample
 from opsd.data.sample import Sample
-from opsd.prompts import Prompt, is_multimodal, teacher_prompt
+from opsd.prompts import Prompt, teacher_prompt, tokenizer_of
 
 
 @dataclass
@@ -38,8 +38,7 @@ def encode_prompt(processor, prompt: Prompt) -> EncodedPrompt:
         if prompt.noise_last_images:
             vision["pixel_values"] = noise_last_images(processor, vision["pixel_values"], prompt)
         return EncodedPrompt(ids.tolist(), vision, per_token)
-    tokenizer = processor.tokenizer if is_multimodal(processor) else processor
-    return EncodedPrompt(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+    return EncodedPrompt(tokenizer_of(processor)(prompt.text, add_special_tokens=False)["input_ids"])
 
 
 def noise_last_images(processor, pixel_values: torch.Tensor, prompt: Prompt) -> torch.Tensor:
@@ -244,19 +243,6 @@ def build_examples(
             Example(sample_ids[c.prompt_index], student, teacher, c.token_ids[:budget], c.logprobs[:budget])
         )
     return examples, counts
-
-
-def build_sample_examples(
-    processor, prompt_cfg, samples: list, student_prompts: list[Prompt], completions: list, max_forward_tokens: int,
-) -> tuple[list[Example], dict[str, int]]:
-    """`build_examples` for completions of `student_prompts` (one per sample), teacher prompts built here."""
-    return build_examples(
-        [encode_prompt(processor, p) for p in student_prompts],
-        [encode_prompt(processor, teacher_prompt(s, processor, prompt_cfg)) for s in samples],
-        [s.id for s in samples],
-        completions,
-        max_forward_tokens,
-    )
 
 
 def padding_example(student: EncodedPrompt, teacher: EncodedPrompt, token_id: int) -> Example:

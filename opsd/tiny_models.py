@@ -2,9 +2,9 @@
 
 `build_tiny_vlm` writes an Idefics3 (SmolVLM architecture) directory, `build_tiny_qwen25_vl` a
 Qwen2.5-VL one (3-D "mrope" positions; transformers only, vLLM's Qwen-VL needs torchvision) and
-`build_tiny_text_model` a Qwen2 one. Both are ordinary Hugging Face directories (safetensors, config, generation config,
-tokenizer with a ChatML chat template; processor config for the VLM) that load in transformers and
-in vLLM. Nothing is downloaded: the byte-level BPE tokenizer is trained here on a small built-in
+`build_tiny_text_model` a Qwen2 one. All three are ordinary Hugging Face directories (safetensors,
+config, generation config, tokenizer with a ChatML chat template; processor config for the VLMs)
+that load in transformers and, the Qwen2.5-VL one excepted, in vLLM. Nothing is downloaded: the byte-level BPE tokenizer is trained here on a small built-in
 corpus, and the weights are random from `seed`.
 
 Choices that matter downstream:

@@ -14,7 +14,6 @@ SIGTERM, SIGINT or SIGUSR1 stop it after the step in progress with a checkpoint 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 import warnings
@@ -35,13 +34,15 @@ from opsd.device import process_rank, process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
 from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
+from opsd.loss_kinds import build_loss
 from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir
+from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
-from opsd.rollout import Completion, RolloutEngine, make_engine, sampling_settings
+from opsd.rollout import RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
-from opsd.scoring import UnsupportedModelError, check_scoring_matches_forward
-from opsd.sequences import Example, build_sample_examples, encode_prompt, padding_example, prompt_length_check
-from opsd.teacher import AdapterTeacher, make_teacher, module_of, update_teacher
+from opsd.scoring import Scoring, UnsupportedModelError, check_scoring_matches_forward
+from opsd.sequences import Example, encode_prompt, padding_example, prompt_length_check
+from opsd.teacher import Teacher, make_teacher, teacher_class
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts, latest_checkpoint
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.console import native_output_to_log, third_party_output
@@ -51,7 +52,7 @@ from opsd.trainer.memory_plan import detected_device_gb, plan_memory
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.rng import seed_everything
-from opsd.trainer.step import train_step
+from opsd.trainer.step import TrainStep
 from opsd.trainer.stop import EXIT_STOPPED, RunStopped, StepStart, StopRequest, signal_name, stop_on_signals
 from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
 
@@ -84,27 +85,27 @@ def train_steps(run: Run, stop: StopRequest) -> RunStopped | None:
         before_rollout = StepStart.capture(run.stream)  # an abandoned step must leave no trace
         timer, lr = StageTimer(), run.scheduler.get_last_lr()[0]
         with timer("rollout"):
-            samples, prompts, completions = sample(run, step)
+            rollout = sample(run, step)
         if signum := stop.agreed(run.ranks):  # it came during the rollout: the step is abandoned
             before_rollout.restore(run.stream)
             return stop_run(run, signum, stop)
         with timer("train"):
-            examples, counts, step_tokens = build_sequences(run, samples, prompts, completions)
+            examples, counts, step_tokens = build_sequences(run, rollout)
         if step_tokens == 0:  # no rank has anything to train on: all ranks skip the update together
             advance_schedules(run)
             finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr, **timer.record()})
             continue
         recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
-        if hasattr(run.engine, "release_memory"):  # a colocated engine gives training its memory until the sync
+        if run.engine.capabilities.release_memory:  # a colocated engine gives training its memory until the sync
             run.engine.release_memory()
         with timer("train"):
-            metrics = update_student(run, examples, step_tokens, recorder, samples[0])
+            metrics = update_student(run, examples, step_tokens, recorder, rollout.samples[0])
             advance_schedules(run)
         with timer("weight_sync"):  # the next rollouts are on-policy
             sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
         record = {**metrics, **counts, "lr": lr, **timer.record(),
                   "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
-        finish_step(run, step, record, rollouts=(recorder, examples, samples) if recorder else None)
+        finish_step(run, step, record, rollouts=(recorder, examples, rollout.samples) if recorder else None)
     return None
 
 
@@ -120,20 +121,18 @@ class Run:
     evaluator: Evaluator | None
     engine: RolloutEngine
     student: torch.nn.Module
-    teacher: torch.nn.Module
+    teacher: Teacher
     optimizer: torch.optim.Optimizer
     scheduler: Any
+    step: TrainStep
+    """One optimizer step over a step's examples (scoring, loss, backward, clip, optimizer step)."""
     logger: MetricsLogger | NullMetricsLogger
     checkpoints: CheckpointManager
     start_step: int = 0
     started: float = field(default_factory=time.perf_counter)
-    step: int = 0
+    last_step: int = 0
     """The last step finished (logged, saved when due)."""
     last_record: dict = field(default_factory=dict)
-
-    @property
-    def pad_id(self) -> int:
-        return getattr(self.processor, "tokenizer", self.processor).pad_token_id
 
 
 def start_run(cfg: Config, log_file: Path) -> Run:
@@ -164,7 +163,7 @@ def start_run(cfg: Config, log_file: Path) -> Run:
                           wandb_run_id=checkpoints.saved_wandb_run_id, mismatch_threshold=mismatch_threshold(cfg))
             if ranks.is_main else NullMetricsLogger()
         ))
-        parts = TrainingParts(student, module_of(teacher, student), cfg.teacher.mode, optimizer, scheduler, processor, stream)
+        parts = TrainingParts(student, teacher, optimizer, scheduler, processor, stream)
         start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
         # Start on-policy: the engine was built from model.path (or is a long-lived server holding other
         # weights), while the student may come from a checkpoint.
@@ -172,40 +171,26 @@ def start_run(cfg: Config, log_file: Path) -> Run:
             check_adapter_receiver(engine)
         sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
         checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
+        step = TrainStep(student, teacher.scorer, optimizer, Scoring.from_config(cfg, processor), cfg.optim.max_grad_norm, ranks)
         on_error.pop_all()
     return Run(cfg, output_dir, ranks, processor, stream, evaluator, engine, student, teacher,
-               optimizer, scheduler, logger, checkpoints, start_step, step=start_step)
+               optimizer, scheduler, step, logger, checkpoints, start_step, last_step=start_step)
 
 
-def sample(run: Run, step: int):
+def sample(run: Run, step: int) -> Rollout:
     """This rank's prompts of the step, and completions sampled from the current student weights
-    (with `loss.kind=sft`: each sample's privileged text instead, n times)."""
-    cfg, per_rank = run.cfg, run.cfg.prompts_per_step
+    (a loss kind that does not sample, `sft`: each sample's privileged text instead, n times)."""
+    per_rank = run.cfg.prompts_per_step
     samples = run.stream.take(per_rank, rank=run.ranks.rank, world_size=run.ranks.world_size)
-    prompts = [student_prompt(s, run.processor, cfg.prompts) for s in samples]
-    if cfg.loss.kind == "sft":
-        return samples, prompts, reference_completions(samples, run.processor, cfg.rollout.samples_per_prompt)
-    sampling = sampling_settings(cfg, step, run.processor, first_prompt=run.ranks.rank * per_rank)
-    return samples, prompts, run.engine.generate(prompts, sampling)
+    return sample_rollout(run.engine, samples, run.processor, run.cfg, step, first_prompt=run.ranks.rank * per_rank,
+                          on_policy=run.step.scoring.loss.on_policy)
 
 
-def reference_completions(samples, processor, n: int) -> list[Completion]:
-    """The supervised baseline's "completions": each sample's privileged text and the end-of-turn
-    token, as the tokenizer writes them; no sampler, so no engine logprobs (NaN)."""
-    tokenizer = getattr(processor, "tokenizer", processor)
-    completions = []
-    for index, s in enumerate(samples):
-        ids = tokenizer(s.privileged_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        completions += [Completion(index, ids, [math.nan] * len(ids), text=s.privileged_text, finish_reason="stop")] * n
-    return completions
-
-
-def build_sequences(run: Run, samples, prompts, completions) -> tuple[list[Example], dict[str, int], int]:
+def build_sequences(run: Run, rollout: Rollout) -> tuple[list[Example], dict[str, int], int]:
     """Student and teacher sequences ending with the identical completion ids; what was dropped or
     cut (summed over ranks); the completion tokens of all ranks."""
-    examples, counts = build_sample_examples(
-        run.processor, run.cfg.prompts, samples, prompts, completions, run.cfg.train.max_forward_tokens
-    )
+    examples, counts = rollout_examples(rollout, run.processor, run.cfg)
+    completions = rollout.completions
     capped = sum(c.hit_token_limit(run.cfg.rollout.max_new_tokens) for c in completions)
     # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
     *dropped, capped, num_completions, step_tokens = map(int, run.ranks.sum(
@@ -218,20 +203,8 @@ def build_sequences(run: Run, samples, prompts, completions) -> tuple[list[Examp
 
 def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample) -> dict:
     """Score with both roles, loss over the whole step's tokens, backward, optimizer step."""
-    cfg = run.cfg
-    return train_step(
-        run.student, run.teacher, examples, run.optimizer,
-        loss_cfg=cfg.loss,
-        micro_batch_size=cfg.micro_batch_size,
-        max_grad_norm=cfg.optim.max_grad_norm,
-        dtype=cfg.model.dtype,
-        pad_id=run.pad_id,
-        on_scored=recorder.collect if recorder else None,
-        ranks=run.ranks,
-        total_tokens=step_tokens,
-        padding=rank_padding(cfg, run.processor, sample, run.pad_id) if run.ranks.enabled else None,
-        packed_row_tokens=cfg.train.packed_row_tokens,
-    )
+    padding = rank_padding(run.cfg, run.processor, sample, run.step.scoring.pad_id) if run.ranks.enabled else None
+    return run.step(examples, step_tokens, padding, recorder.collect if recorder else None)
 
 
 def advance_schedules(run: Run) -> None:
@@ -240,7 +213,7 @@ def advance_schedules(run: Run) -> None:
     with warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
-    update_teacher(run.cfg.teacher, run.teacher, run.student)
+    run.teacher.update(run.student)
 
 
 def baseline_evaluation(run: Run) -> None:
@@ -258,12 +231,12 @@ def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None
     record = {**record, **run.stream.metrics(), **evaluation}
     run.logger.log(step, record)
     run.checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
-    run.step, run.last_record = step, record
+    run.last_step, run.last_record = step, record
 
 
 def stop_run(run: Run, signum: int, stop: StopRequest) -> RunStopped:
     """After a stop signal: save the last finished step unless it was just saved (or nothing ran)."""
-    step, checkpoints = run.step, run.checkpoints
+    step, checkpoints = run.last_step, run.checkpoints
     if run.cfg.checkpoint.save_on_signal and step > 0 and checkpoints.last_saved_step != step:
         checkpoints.save(step, run.last_record)
     latest = latest_checkpoint(run.output_dir)
@@ -314,9 +287,8 @@ def load_student_and_teacher(cfg: Config, processor, ranks: Ranks):
     student = load_sharded(student, read, ranks, cfg.distributed, trainable=True)
     check_scoring_matches_forward(student)  # on every rank: the sharded forwards gather collectively
     student.reshard()  # a trainable root keeps its gathered weights until a backward, which this had none of
-    if cfg.teacher.mode == "self":
-        return student, student
-    return student, copy_of_shards(empty_model(cfg.model, processor), student, ranks, cfg.distributed)
+    copy_shards = lambda s: copy_of_shards(empty_model(cfg.model, processor), s, ranks, cfg.distributed)  # noqa: E731
+    return student, make_teacher(cfg.teacher, student, copy_shards)
 
 
 def load_lora_student_and_teacher(cfg: Config, processor, ranks: Ranks):
@@ -331,14 +303,14 @@ def load_lora_student_and_teacher(cfg: Config, processor, ranks: Ranks):
     check_scoring_matches_forward(student)  # a model whose logits scoring would not reproduce stops here
     if cfg.distributed.activation_checkpointing:
         enable_activation_checkpointing(student)
-    student = add_lora(student, cfg.model.lora, ema=cfg.teacher.mode == "ema")
+    student = add_lora(student, cfg.model.lora, ema=teacher_class(cfg.teacher, lora_student=True).ADDS_EMA_ADAPTER)
     teacher = make_teacher(cfg.teacher, student)
     if not ranks.enabled:
         return student, teacher
     student = shard_model(student.to(ranks.device), ranks, cfg.distributed, trainable=True)
-    if isinstance(teacher, AdapterTeacher) or teacher is student:
-        return student, teacher
-    return student, shard_model(teacher.to(ranks.device), ranks, cfg.distributed, trainable=False)
+    if teacher.module is not None:  # a frozen copy of its own, sharded in place
+        shard_model(teacher.module.to(ranks.device), ranks, cfg.distributed, trainable=False)
+    return student, teacher
 
 
 def rank_padding(cfg: Config, processor, sample, pad_id: int):
@@ -358,8 +330,7 @@ def describe_plan(cfg: Config) -> str:
         f"  {describe_lora(cfg)}",
         f"  teacher {cfg.teacher.mode}; privileged {'+'.join(cfg.prompts.privileged)}"
         f"{f' ({cfg.prompts.noise} noise ablation)' if cfg.prompts.noise != 'off' else ''}",
-        f"  loss {cfg.loss.kind}: jsd x{cfg.loss.jsd_weight} + ce x{cfg.loss.ce_weight}, beta={cfg.loss.beta}, "
-        f"T={cfg.loss.temperature}, top_k={cfg.loss.top_k}, clip={cfg.loss.token_clip} ({cfg.loss.clip_mode})",
+        f"  loss {cfg.loss.kind}: {build_loss(cfg.loss).describe()}",
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
         f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
         f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"

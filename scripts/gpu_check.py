@@ -91,15 +91,17 @@ def _one_rank_group() -> None:
 def check_fsdp_nccl_ema_sync(args) -> dict:
     _need_cuda()
     _need("pydantic")
-    from opsd.config import DistributedConfig, LossConfig, ModelConfig, TeacherConfig
+    from opsd.config import DistributedConfig, JsdLossConfig, ModelConfig, TeacherConfig
+    from opsd.loss_kinds import build_loss
     from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor
     from opsd.rollout.weight_sync import push_weights
+    from opsd.scoring import Scoring, pad_token_id
     from opsd.sequences import EncodedPrompt, Example
-    from opsd.teacher import update_teacher
+    from opsd.teacher import make_teacher
     from opsd.tiny_models import build_tiny_qwen25_vl
     from opsd.trainer.distributed import Ranks, build_mesh
     from opsd.trainer.fsdp import copy_of_shards, load_sharded
-    from opsd.trainer.step import train_step
+    from opsd.trainer.step import TrainStep
 
     _one_rank_group()
     device = torch.device("cuda", 0)
@@ -112,8 +114,8 @@ def check_fsdp_nccl_ema_sync(args) -> dict:
         enable_activation_checkpointing(student)
         student = load_sharded(student, lambda: load_model(model_cfg, processor, torch.device("cpu")).state_dict(),
                                ranks, dist_cfg, trainable=True)
-        teacher = copy_of_shards(empty_model(model_cfg, processor), student, ranks, dist_cfg)
-    teacher_cfg = TeacherConfig(mode="ema", ema_decay=0.5)
+        teacher = make_teacher(TeacherConfig(mode="ema", ema_decay=0.5), student,
+                               lambda s: copy_of_shards(empty_model(model_cfg, processor), s, ranks, dist_cfg))
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
     vocab = processor.tokenizer.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -123,18 +125,16 @@ def check_fsdp_nccl_ema_sync(args) -> dict:
                 torch.randint(10, vocab, (8,), generator=gen).tolist(), [0.0] * 8)
         for i in range(4)
     ]
-    before = next(teacher.parameters()).detach().to_local().float().clone()
+    before = next(teacher.module.parameters()).detach().to_local().float().clone()
+    scoring = Scoring(build_loss(JsdLossConfig(top_k=16)), "bfloat16", pad_token_id(processor), micro_batch_size=2)
+    train = TrainStep(student, teacher.scorer, optimizer, scoring, max_grad_norm=1.0, ranks=ranks)
     losses = []
     for _ in range(2):
-        metrics = train_step(student, teacher, examples, optimizer, loss_cfg=LossConfig(top_k=16), micro_batch_size=2,
-                             max_grad_norm=1.0, dtype="bfloat16", pad_id=processor.tokenizer.pad_token_id, ranks=ranks)
-        update_teacher(teacher_cfg, teacher, student)
+        metrics = train(examples)
+        teacher.update(student)
         losses.append(metrics["loss"])
 
     class Receiver:
-        def __init__(self, dtype):
-            self.weight_dtype = dtype
-
         def begin_weight_update(self):
             pass
 
@@ -144,9 +144,9 @@ def check_fsdp_nccl_ema_sync(args) -> dict:
         def end_weight_update(self):
             pass
 
-    sync16 = push_weights(student, Receiver(torch.bfloat16))
-    sync32 = push_weights(student, Receiver(torch.float32))
-    moved = (next(teacher.parameters()).detach().to_local().float() - before).abs().max().item()
+    sync16 = push_weights(student, Receiver(), dtype=torch.bfloat16)
+    sync32 = push_weights(student, Receiver(), dtype=torch.float32)
+    moved = (next(teacher.module.parameters()).detach().to_local().float() - before).abs().max().item()
     ok = all(map(lambda x: x == x and abs(x) < 1e6, losses)) and moved > 0 and sync16.gathered_bytes * 2 == sync32.gathered_bytes
     return {
         "ok": ok, "losses": losses, "ema_teacher_moved": moved,
@@ -243,6 +243,7 @@ def check_vllm_sleep_sync_parity(args) -> dict:
     from opsd.modeling import load_model, load_processor
     from opsd.prompts import Prompt
     from opsd.rollout.engine import SamplingSettings
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
     from opsd.rollout.weight_sync import push_weights
     from opsd.loss import token_logprobs
@@ -255,7 +256,7 @@ def check_vllm_sleep_sync_parity(args) -> dict:
         cfg = ModelConfig(path=path)
         processor = load_processor(cfg)
         model = load_model(cfg, processor, torch.device("cuda", 0))
-        engine = VLLMEngine(path, dtype="float32", kv_cache_memory_mb=256, gpu_memory_utilization=0.2, sleep_mode=True)
+        engine = VLLMEngine(VLLMOptions(path, dtype="float32", kv_cache_memory_mb=256, gpu_memory_utilization=0.2, sleep_mode=True))
         prompt = Prompt(processor.apply_chat_template([{"role": "user", "content": "Count the cells."}],
                                                       add_generation_prompt=True, tokenize=False), [])
         sampling = SamplingSettings(max_new_tokens=16, seed=1)
@@ -266,7 +267,7 @@ def check_vllm_sleep_sync_parity(args) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1.01)  # the trainer's step changed the weights
-        sync = push_weights(model, engine)
+        sync = push_weights(model, engine, dtype=engine.capabilities.weight_dtype)
         second = engine.generate([prompt], sampling)[0]
         batch = collate([encode_prompt(processor, prompt)], [second.token_ids], processor.pad_token_id)
         with torch.no_grad():

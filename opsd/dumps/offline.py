@@ -1,8 +1,8 @@
 """Offline rollout dumps: sample a dataset's prompts with the engine and score them, no training.
 
-The same pieces as a training step (prompts, engine, sequences, `score_micro_batch`) and the same
-file format (`opsd.dumps.record`), so offline dumps of checkpoints and the dumps of a run compare
-directly.
+The same pieces as a training step (opsd/pipeline.py's prompts, engine and sequences, then
+`Scoring`) and the same file format (`opsd.dumps.record`), so offline dumps of checkpoints and the
+dumps of a run compare directly.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from opsd.data.dataset import split_samples
 from opsd.device import resolve_device
 from opsd.dumps.record import recorder_for
 from opsd.modeling import load_model, load_processor, prepare_model_dir
-from opsd.prompts import is_multimodal, student_prompt
-from opsd.rollout import make_engine, sampling_settings
-from opsd.scoring import check_scoring_matches_forward, score_examples
-from opsd.sequences import build_sample_examples, prompt_length_check
+from opsd.pipeline import rollout_examples, sample_rollout
+from opsd.prompts import is_multimodal
+from opsd.rollout import make_engine
+from opsd.scoring import Scoring, check_scoring_matches_forward
+from opsd.sequences import prompt_length_check
 from opsd.trainer.checkpoint import (
     MODEL_DIR, TEACHER_DIR, CheckpointError, read_trainer_state, resolve_checkpoint, verify_checkpoint,
 )
 from opsd.trainer.console import native_output_to_log
+from opsd.teacher import INITIAL_WEIGHTS, TEACHER_DIR_WEIGHTS, saved_weights
 
 @dataclasses.dataclass
 class ModelDirs:
@@ -50,27 +52,31 @@ def resolve_model_dirs(path: str | Path) -> ModelDirs:
                                 f"and {err}") from None
     manifest = verify_checkpoint(checkpoint)
     student, mode = checkpoint / MODEL_DIR, manifest["teacher_mode"]
+    try:
+        where = saved_weights(mode)
+    except ValueError as err:
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: {err}") from None
     if (student / "adapter_config.json").is_file():
         raise FileNotFoundError(
             f"--checkpoint {checkpoint} holds a LoRA adapter: `python -m opsd.export --checkpoint {checkpoint} "
             "--out DIR --merge` writes a full model directory to dump from"
         )
-    if mode == "ema":
+    if where == TEACHER_DIR_WEIGHTS:
         teacher = checkpoint / TEACHER_DIR
-    elif mode in ("fixed", "base"):  # without LoRA, `base` is `fixed`
-        teacher = initial_weights(checkpoint)
-    else:
+    elif where == INITIAL_WEIGHTS:
+        teacher = initial_weights(checkpoint, mode)
+    else:  # STUDENT_WEIGHTS: the student's weights score both roles
         teacher = None
     return ModelDirs(str(student), str(teacher) if teacher else None, manifest["step"])
 
 
-def initial_weights(checkpoint: Path) -> str:
-    """Where a `teacher.mode=fixed` run's teacher came from: its `model.path` (the checkpoint holds
-    no copy of those weights)."""
+def initial_weights(checkpoint: Path, mode: str) -> str:
+    """Where the teacher of a run whose teacher is its initial weights (`fixed`) came from: its
+    `model.path` (the checkpoint holds no copy of those weights)."""
     run_cfg = read_trainer_state(checkpoint)["config"]
     if run_cfg["checkpoint"]["resume_model_only"]:
         raise FileNotFoundError(
-            f"--checkpoint {checkpoint}: the run's fixed teacher started from the weights of checkpoint "
+            f"--checkpoint {checkpoint}: the run's {mode} teacher started from the weights of checkpoint "
             f"{run_cfg['checkpoint']['resume_from']!r} (checkpoint.resume_model_only), which this checkpoint does not "
             "hold; dump that checkpoint's model/ with --model to score with those weights"
         )
@@ -79,7 +85,7 @@ def initial_weights(checkpoint: Path) -> str:
         return prepare_model_dir(ModelConfig(path=model_path))
     except ConfigError:
         raise FileNotFoundError(
-            f"--checkpoint {checkpoint}: teacher.mode=fixed, so the teacher is the run's initial weights, "
+            f"--checkpoint {checkpoint}: teacher.mode={mode}, so the teacher is the run's initial weights, "
             f"model.path {model_path!r}, which is not a model directory here (relative paths are read from the "
             "current directory: run from the run's working directory)"
         ) from None
@@ -102,18 +108,14 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     """
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
-    pad_id = getattr(processor, "tokenizer", processor).pad_token_id
     samples = load_split(cfg, split, num_samples, processor)
     with native_output_to_log(log_file):
         engine = make_engine(cfg, model_dir, processor)
     try:
-        student_prompts = [student_prompt(s, processor, cfg.prompts) for s in samples]
-        completions = engine.generate(student_prompts, sampling_settings(cfg, step, processor))
+        rollout = sample_rollout(engine, samples, processor, cfg, step)
     finally:
         engine.close()
-    examples, counts = build_sample_examples(
-        processor, cfg.prompts, samples, student_prompts, completions, cfg.train.max_forward_tokens
-    )
+    examples, counts = rollout_examples(rollout, processor, cfg)
     if not examples:
         raise RuntimeError(f"no completion left to score ({counts})")
 
@@ -125,6 +127,6 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
         teacher = load_model(dataclasses.replace(cfg.model, path=teacher_path), processor, device).eval()
     recorder = recorder_for(cfg)
     with torch.no_grad():
-        for micro, scored in score_examples(student, teacher, examples, cfg, pad_id):
+        for micro, scored in Scoring.from_config(cfg, processor).examples(student, teacher, examples):
             recorder.collect(micro, scored)
     return recorder.write(Path(out_dir), step, examples, samples, processor, cfg.prompts), counts

@@ -41,7 +41,8 @@ from opsd.config import Config, EvalConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.device import process_rank
 from opsd.loss import token_logprobs
-from opsd.prompts import student_prompt, teacher_prompt
+from opsd.loss_kinds import build_loss
+from opsd.prompts import student_prompt, teacher_prompt, tokenizer_of
 from opsd.scoring import ScoredBatch
 from opsd.sequences import Example
 
@@ -134,7 +135,7 @@ def rollout_rows(
     with `answer_pattern` (the run's `eval.answer_pattern`)."""
     if len(examples) != len(scores):
         raise ValueError(f"{len(examples)} examples but {len(scores)} scored completions")
-    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer = tokenizer_of(processor)
     by_id = {s.id: s for s in samples}
     prompts = {}
     for s in by_id.values():
@@ -236,5 +237,5 @@ def recorder_for_step(cfg: Config, step: int) -> RolloutRecorder | None:
 
 def recorder_for(cfg: Config) -> RolloutRecorder:
     """A recorder with the run's settings: top-n, row chunks, answer pattern."""
-    return RolloutRecorder(top_n=cfg.logging.dump_top_n, chunk_size=cfg.loss.chunk_size,
+    return RolloutRecorder(top_n=cfg.logging.dump_top_n, chunk_size=build_loss(cfg.loss).chunk_rows,
                            answer_pattern=cfg.eval.answer_pattern)

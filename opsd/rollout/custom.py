@@ -3,7 +3,11 @@
 The named attribute is called as `Name(cfg=cfg, model_path=model_path, processor=processor)`:
 the full run `Config`, the student's Hugging Face directory, and its processor (or tokenizer). It
 is usually the engine class itself; a factory function works too. The object it returns must
-implement the engine interface of opsd/rollout/engine.py, the weight-sync callbacks included.
+implement the engine interface of opsd/rollout/engine.py (`RolloutEngine`), the weight-sync
+callbacks included, and declare its optional abilities in `capabilities` (`EngineCapabilities()`:
+none). An engine wrapping a built-in one builds it with `opsd.rollout.builtin_engine(cfg,
+model_path, processor)` and keeps its abilities: `capabilities = inner.capabilities`, the
+optional methods forwarded.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ import importlib
 import traceback
 
 from opsd.config import ConfigError
+from opsd.rollout.engine import EngineCapabilities
 
 ENGINE_METHODS = ("generate", "begin_weight_update", "receive_weights", "end_weight_update", "close")
+ABILITY_METHODS = ("release_memory", "receive_adapter")
+"""The declared abilities (`EngineCapabilities` fields) that are methods the engine must have."""
 
 
 def load_import_path(path: str):
@@ -51,7 +58,8 @@ def _missing_methods(obj) -> list[str]:
 
 def build_custom_engine(cfg, model_path, processor):
     """Construct the engine `cfg.rollout.engine` names and check it has the engine's methods (a class
-    is checked before it is built)."""
+    is checked before it is built) and declares its optional abilities (with the methods of those it
+    declares)."""
     path = cfg.rollout.engine
     factory = load_import_path(path)
     if not callable(factory):
@@ -64,4 +72,16 @@ def build_custom_engine(cfg, model_path, processor):
         name = factory.__name__ if isinstance(factory, type) else f"the {type(engine).__name__} it built"
         raise ConfigError(f"rollout.engine: {path!r}: {name} has no {', '.join(missing)} method; an engine needs "
                           f"{', '.join(ENGINE_METHODS)} (opsd/rollout/engine.py)")
+    name = type(engine).__name__
+    capabilities = getattr(engine, "capabilities", None)
+    if not isinstance(capabilities, EngineCapabilities):
+        raise ConfigError(
+            f"rollout.engine: {path!r} built a {name} without `capabilities`: declare its optional abilities, "
+            "`capabilities = opsd.rollout.EngineCapabilities()` for none, or `inner.capabilities` for a wrapped engine"
+        )
+    declared = [m for m in ABILITY_METHODS if getattr(capabilities, m)]
+    unbacked = [m for m in declared if not callable(getattr(engine, m, None))]
+    if unbacked:
+        raise ConfigError(f"rollout.engine: {path!r}: {name}.capabilities declares {', '.join(unbacked)} "
+                          f"but {name} has no such method (forward it to the wrapped engine)")
     return engine

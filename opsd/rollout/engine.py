@@ -1,7 +1,11 @@
 """The rollout engine interface: sample completions for prompts, take new weights; sampling settings.
 
-Any class with these methods can serve as the trainer's sampler (vLLM, transformers `generate`,
-or a user's own).
+Any class with the methods of `RolloutEngine` and a `capabilities` attribute can serve as the
+trainer's sampler (vLLM, transformers `generate`, a separate vLLM server, or a user's own). The
+optional abilities are declared in `capabilities` (`EngineCapabilities`), never guessed from what
+methods an object happens to have: a wrapper around another engine states which of the wrapped
+engine's abilities it keeps (usually all: `self.capabilities = inner.capabilities`, with the
+methods forwarded).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from opsd.prompts import Prompt, placeholder_token_ids
 
 @dataclass
 class SamplingSettings:
+    """How one `generate` call samples; an engine follows every field as given."""
+
     max_new_tokens: int
     temperature: float = 1.0
     """0 = greedy (evaluation), in every engine."""
@@ -24,11 +30,18 @@ class SamplingSettings:
     top_k: int = 0
     """0 = off."""
     n: int = 1
-    """Completions per prompt."""
+    """Completions per prompt (1 whenever `temperature` is 0: vLLM refuses several greedy ones)."""
     seed: int = 0
     """Makes a call reproducible: the same prompts, weights and seed give the same completions."""
     banned_token_ids: list[int] = field(default_factory=list)
     """Never sampled: image placeholders in a completion would break the scoring forward."""
+
+    @classmethod
+    def greedy(cls, max_new_tokens: int, banned_token_ids: list[int] = ()) -> "SamplingSettings":
+        """The evaluation's call: one greedy completion per prompt (temperature 0, n 1, no top-p or
+        top-k, seed 0)."""
+        return cls(max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, n=1, seed=0,
+                   banned_token_ids=list(banned_token_ids))
 
 
 def sampling_settings(cfg: Config, step: int, processor, first_prompt: int = 0) -> SamplingSettings:
@@ -62,11 +75,13 @@ class Completion:
         return self.finish_reason == "length" if self.finish_reason else len(self.token_ids) >= max_new_tokens
 
 
-class RolloutEngine(Protocol):
-    def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
-        """`sampling.n` completions per prompt, prompt-major order."""
+class WeightReceiver(Protocol):
+    """Takes the trainer's weights: one update session per optimizer step (opsd/rollout/weight_sync.py).
 
-    # Weight sync (see opsd/rollout/weight_sync.py): one session per optimizer step.
+    Every rollout engine is one; so is anything else the weights should go to (a file writer,
+    opsd/rollout/receivers.py).
+    """
+
     def begin_weight_update(self) -> None: ...
 
     def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -75,7 +90,39 @@ class RolloutEngine(Protocol):
     def end_weight_update(self) -> None:
         """All buckets are in: the next `generate` must use the new weights."""
 
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """The optional abilities of a rollout engine. opsd uses exactly those declared here, and an engine
+    declaring one has its method; the default is none of them."""
+
+    release_memory: bool = False
+    """It has `release_memory()`: called after each step's rollouts, before training, and always
+    followed by a weight update before the next `generate` (the colocated vLLM engine sleeps there)."""
+    generate_is_collective: bool = False
+    """Every rank of a group must call `generate`, with or without prompts of its own (a
+    tensor-parallel engine spread over torchrun ranks); evaluation then calls it on every rank."""
+    weight_dtype: torch.dtype | None = None
+    """The dtype it holds its weights in: the weight sync gathers and sends them in it (bfloat16 moves
+    half the bytes of float32). None: as the trainer holds them."""
+    receive_adapter: bool = False
+    """It has `receive_adapter(update: opsd.lora.AdapterUpdate)` and samples with the LoRA adapter it
+    was last given, base weights unchanged (`rollout.lora_sync: adapter` needs it)."""
+
+
+class RolloutEngine(WeightReceiver, Protocol):
+    """A sampler the trainer keeps on-policy: `generate`, the weight update of `WeightReceiver`,
+    `close`, and its declared optional abilities (`capabilities`)."""
+
+    capabilities: EngineCapabilities
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
+        """`sampling.n` completions per prompt, prompt-major order, sampled exactly as `sampling` says
+        (the evaluation calls it with `SamplingSettings.greedy`). A prompt carries its rendered `text`
+        and `images`, and the `system` message and user `parts` they were rendered from."""
+
     def close(self) -> None: ...
 
-    # Optional: `release_memory()`, called after the step's rollouts and before training, always
-    # followed by a weight update before the next `generate` (the colocated vLLM engine sleeps there).
+    # Optional, when `capabilities` declares them (see `EngineCapabilities`):
+    # def release_memory(self) -> None: ...
+    # def receive_adapter(self, update) -> None: ...

@@ -12,18 +12,20 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
-from opsd.prompts import Prompt, is_multimodal
-from opsd.rollout.engine import Completion, SamplingSettings
+from opsd.prompts import Prompt, is_multimodal, tokenizer_of
+from opsd.rollout.engine import Completion, EngineCapabilities, SamplingSettings
 
 
 class HFEngine:
+    capabilities = EngineCapabilities()  # its own float32 copy of the weights, always resident
+
     def __init__(self, model, processor, *, batch_size: int = 16):
         self.model = model.eval().requires_grad_(False)
         own = model.generation_config
         self.token_ids = dict(eos_token_id=own.eos_token_id, bos_token_id=own.bos_token_id)
         model.generation_config = GenerationConfig(**self.token_ids)  # nothing else of it may leak in
         self.processor = processor
-        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.tokenizer = tokenizer_of(processor)
         self.batch_size = batch_size
 
     def _encode(self, prompts: list[Prompt]) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ environment and command line instead of running them. Extra `vllm serve` flags g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit
 
 import opsd
 from opsd.config import Config, ConfigError, load_config
-from opsd.rollout.vllm_args import cli_flags, cpu_environment, engine_args, engine_options
+from opsd.rollout.vllm_args import VLLMOptions, cli_flags, cpu_environment, engine_args
 
 WORKER_EXTENSION = "opsd.rollout.server_worker.WeightSyncExtension"
 
@@ -38,7 +39,7 @@ def serve_command(cfg: Config, model_path: str, extra_args: list[str] = ()) -> t
         "--model", str(model_path),
         "--host", url.hostname, "--port", str(url.port or (443 if url.scheme == "https" else 80)),
         # The colocated engine's arguments; the server engine never puts the server to sleep.
-        *cli_flags(engine_args(**{**engine_options(cfg, model_path), "sleep_mode": False})),
+        *cli_flags(engine_args(dataclasses.replace(VLLMOptions.from_config(cfg, model_path), sleep_mode=False))),
         "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-scale-out",
         # Sample with exactly the requested settings: by default the server takes the model's

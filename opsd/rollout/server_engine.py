@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from opsd.prompts import Prompt
-from opsd.rollout.engine import Completion, SamplingSettings
+from opsd.prompts import Prompt, tokenizer_of
+from opsd.rollout.engine import Completion, EngineCapabilities, SamplingSettings
 from opsd.rollout.receivers import save_bucket
 from opsd.rollout.vllm_args import sampling_params
 
@@ -68,9 +68,9 @@ class ServerEngine:
         weight_dtype: torch.dtype | None = None,
     ):
         self.url = url
-        self.weight_dtype = weight_dtype
-        """The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16)."""
-        self.tokenizer = getattr(processor, "tokenizer", processor)
+        # The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16).
+        self.capabilities = EngineCapabilities(weight_dtype=weight_dtype)
+        self.tokenizer = tokenizer_of(processor)
         self.client = httpx.Client(base_url=url, timeout=request_timeout_s)
         self._wait_until_ready(startup_timeout_s)
         self.model = self._call("GET", "/v1/models")["data"][0]["id"]

@@ -8,9 +8,11 @@ functions, so the two engines sample alike.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
+from opsd.config import ModelConfig, RolloutConfig
 from opsd.rollout.engine import SamplingSettings
 
 # On CPU, vLLM 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
@@ -26,49 +28,69 @@ def images_per_prompt(cfg) -> int:
     return cfg.data.max_problem_images + (cfg.data.max_reference_rounds if teacher_images else 0)
 
 
-def engine_args(
-    model_path: str, *, dtype: str, max_model_len: int, max_images_per_prompt: int, kv_cache_memory_mb: int | None,
-    gpu_memory_utilization: float, enforce_eager: bool, seed: int, sleep_mode: bool, trust_remote_code: bool,
-    max_lora_rank: int | None = None,
-) -> dict:
-    """`vllm.LLM` / `vllm serve` engine arguments (EngineArgs names). `max_lora_rank`: serve LoRA
-    adapters up to this rank, one at a time (each weight sync brings a new one and retires the last)."""
+@dataclass(frozen=True)
+class VLLMOptions:
+    """Everything opsd sets on a vLLM engine, in one place: `VLLMEngine(options)` and the server
+    launcher (`engine_args(options)`) take it whole. Defaults are the config's (opsd/config.py)."""
+
+    model_path: str
+    dtype: str = ModelConfig.dtype
+    """Weights and compute dtype (`model.dtype`)."""
+    max_model_len: int = 4096
+    """Longest prompt + completion (`train.max_forward_tokens`)."""
+    max_images_per_prompt: int = 8
+    kv_cache_memory_mb: int | None = RolloutConfig.kv_cache_memory_mb
+    gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization
+    enforce_eager: bool = RolloutConfig.enforce_eager
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    sleep_mode: bool = RolloutConfig.sleep_mode
+    trust_remote_code: bool = False
+    max_lora_rank: int | None = None
+    """Serve LoRA adapters up to this rank, one at a time (each weight sync brings a new one and
+    retires the last); None: no LoRA."""
+
+    @classmethod
+    def from_config(cls, cfg, model_path) -> "VLLMOptions":
+        """The options a run config sets, for the student's directory `model_path`."""
+        r = cfg.rollout
+        return cls(
+            model_path=str(model_path), dtype=cfg.model.dtype, max_model_len=cfg.train.max_forward_tokens,
+            max_images_per_prompt=images_per_prompt(cfg), kv_cache_memory_mb=r.kv_cache_memory_mb,
+            gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager, seed=cfg.train.seed,
+            tensor_parallel_size=r.tensor_parallel_size, sleep_mode=r.sleep_mode,
+            trust_remote_code=cfg.model.trust_remote_code,
+            max_lora_rank=cfg.model.lora.rank if cfg.model.lora and r.lora_sync == "adapter" else None,
+        )
+
+
+def engine_args(options: VLLMOptions) -> dict:
+    """`vllm.LLM` / `vllm serve` engine arguments (EngineArgs names) of `options`; the tensor-parallel
+    launch of colocated engines is opsd/rollout/colocate.py's."""
     args = {
-        "model": str(model_path),
-        "dtype": dtype,
-        "max_model_len": max_model_len,
-        "limit_mm_per_prompt": {"image": max_images_per_prompt},
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "seed": seed,
+        "model": str(options.model_path),
+        "dtype": options.dtype,
+        "max_model_len": options.max_model_len,
+        "limit_mm_per_prompt": {"image": options.max_images_per_prompt},
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "seed": options.seed,
     }
-    if kv_cache_memory_mb:
-        args["kv_cache_memory_bytes"] = kv_cache_memory_mb << 20
+    if options.kv_cache_memory_mb:
+        args["kv_cache_memory_bytes"] = options.kv_cache_memory_mb << 20
     # vLLM 0.32's CPU build crashes in compilation ("aot_compile is not supported"): eager there always.
-    if enforce_eager or not torch.cuda.is_available():
+    if options.enforce_eager or not torch.cuda.is_available():
         args["enforce_eager"] = True
-    if sleep_mode and torch.cuda.is_available():  # vLLM refuses sleep mode on CPU
+    if options.sleep_mode and torch.cuda.is_available():  # vLLM refuses sleep mode on CPU
         args["enable_sleep_mode"] = True
-    if trust_remote_code:
+    if options.trust_remote_code:
         args["trust_remote_code"] = True
-    if max_lora_rank:
+    if options.max_lora_rank:
         from opsd.lora import vllm_max_lora_rank
 
-        args.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(max_lora_rank), max_loras=1, max_cpu_loras=1)
+        args.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(options.max_lora_rank), max_loras=1, max_cpu_loras=1)
     if not torch.cuda.is_available():
         args["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
     return args
-
-
-def engine_options(cfg, model_path) -> dict:
-    """The keyword arguments of `engine_args` (and of `VLLMEngine`) that a run config sets."""
-    r = cfg.rollout
-    return dict(
-        model_path=str(model_path), dtype=cfg.model.dtype, max_model_len=cfg.train.max_forward_tokens,
-        max_images_per_prompt=images_per_prompt(cfg), kv_cache_memory_mb=r.kv_cache_memory_mb,
-        gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager, seed=cfg.train.seed,
-        sleep_mode=r.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
-        max_lora_rank=cfg.model.lora.rank if cfg.model.lora and r.lora_sync == "adapter" else None,
-    )
 
 
 def cli_flags(args: dict) -> list[str]:

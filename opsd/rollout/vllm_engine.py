@@ -10,11 +10,10 @@ from pathlib import Path
 
 import torch
 
-from opsd.config import ModelConfig, RolloutConfig
 from opsd.prompts import Prompt
 from opsd.rollout.colocate import engine_kwargs, generate_in_group
-from opsd.rollout.engine import Completion, SamplingSettings
-from opsd.rollout.vllm_args import cpu_environment, engine_args, sampling_params
+from opsd.rollout.engine import Completion, EngineCapabilities, SamplingSettings
+from opsd.rollout.vllm_args import VLLMOptions, cpu_environment, engine_args, sampling_params
 from opsd.rollout.vllm_reload import (
     begin_reload,
     check_vllm_version,
@@ -61,24 +60,8 @@ def _shm_or_tmp() -> str | None:
 
 
 class VLLMEngine:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        dtype: str = ModelConfig.dtype,
-        max_model_len: int = 4096,
-        max_images_per_prompt: int = 8,
-        kv_cache_memory_mb: int | None = RolloutConfig.kv_cache_memory_mb,
-        gpu_memory_utilization: float = RolloutConfig.gpu_memory_utilization,
-        enforce_eager: bool = RolloutConfig.enforce_eager,
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        sleep_mode: bool = RolloutConfig.sleep_mode,
-        trust_remote_code: bool = False,
-        max_lora_rank: int | None = None,
-    ):
-        """Defaults are the config's (opsd/config.py); `engine_args` (opsd/rollout/vllm_args.py) says
-        what each option sets in vLLM."""
+    def __init__(self, options: VLLMOptions):
+        """`VLLMOptions` (opsd/rollout/vllm_args.py) says what each option sets in vLLM."""
         self.rpc_dir = _set_env_defaults()
         """This engine's socket directory (None: the user's VLLM_RPC_BASE_PATH); removed on close."""
         self._remove_rpc_dir = weakref.finalize(self, _remove_rpc_dir, self.rpc_dir) if self.rpc_dir else None
@@ -87,26 +70,28 @@ class VLLMEngine:
 
         quiet_rotary_reload_warning()
         # vLLM refuses sleep mode on CPU; on GPUs it frees the engine's memory while the trainer trains.
-        self.sleep_mode = sleep_mode and torch.cuda.is_available()
+        self.sleep_mode = options.sleep_mode and torch.cuda.is_available()
         self._asleep: set[str] = set()
         self._weights_discarded = False
-        self.tensor_parallel_size = tensor_parallel_size
-        self.weight_dtype = getattr(torch, dtype)
+        self.tensor_parallel_size = options.tensor_parallel_size
+        self.weight_dtype = getattr(torch, options.dtype)
         """The engine's weights are `dtype`: the weight sync casts (and gathers) in it."""
-        self.llm = LLM(
-            **engine_args(
-                model_path, dtype=dtype, max_model_len=max_model_len, max_images_per_prompt=max_images_per_prompt,
-                kv_cache_memory_mb=kv_cache_memory_mb, gpu_memory_utilization=gpu_memory_utilization,
-                enforce_eager=enforce_eager, seed=seed, sleep_mode=self.sleep_mode, trust_remote_code=trust_remote_code,
-                max_lora_rank=max_lora_rank,
-            ),
-            **engine_kwargs(tensor_parallel_size=tensor_parallel_size),
-        )
+        self.llm = LLM(**engine_args(options), **engine_kwargs(tensor_parallel_size=options.tensor_parallel_size))
         self.tokenizer = self.llm.get_tokenizer()
         self._lora_request = None  # the adapter every request names, once one was received
-        self._adapter_root = Path(tempfile.mkdtemp(prefix="opsd-adapters-", dir=_shm_or_tmp())) if max_lora_rank else None
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="opsd-adapters-", dir=_shm_or_tmp())) if options.max_lora_rank else None
         if self._adapter_root is not None:  # removed on close, and at exit when a crash skips close (shared memory)
             weakref.finalize(self, shutil.rmtree, self._adapter_root, ignore_errors=True)
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            release_memory=True,
+            # Every rank of a tensor-parallel engine must call `generate`, with or without prompts.
+            generate_is_collective=self.tensor_parallel_size > 1,
+            weight_dtype=self.weight_dtype,
+            receive_adapter=self._adapter_root is not None,
+        )
 
     # Sleep mode (CUDA): asleep from the end of the step's rollouts to the weight sync, so that
     # training has the memory. Level 2 discards the weights (the sync after the step reloads every
@@ -142,11 +127,6 @@ class VLLMEngine:
         if self.tensor_parallel_size > 1:
             return generate_in_group(self._generate, prompts, sampling)
         return self._generate(prompts, sampling)
-
-    @property
-    def generate_is_collective(self) -> bool:
-        """Every rank of a tensor-parallel engine must call `generate`, with or without prompts."""
-        return self.tensor_parallel_size > 1
 
     def _generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams
@@ -215,9 +195,10 @@ class VLLMEngine:
         llm = self.__dict__.pop("llm", None)
         if llm is None:
             return
-        engine = getattr(llm, "llm_engine", None)
-        if engine is not None and hasattr(engine, "engine_core"):
-            engine.engine_core.shutdown()
+        # The in-process engine core holds threads and sockets until shut down (vLLM's V1 engine).
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
         del llm
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)

@@ -1,12 +1,13 @@
 """Weight sync: stream the trainer's weights into a rollout engine in size-bounded buckets.
 
-A receiver (any rollout engine, or a user's own object pushing weights elsewhere) gets one update
-session per optimizer step: `begin_weight_update()`, then `receive_weights(bucket)` for each bucket
-of `(hf_name, full_tensor)` pairs, then `end_weight_update()`. Buckets bound the memory of the
-gathered full tensors (never the whole state dict at once) and keep per-call overhead low.
+A receiver (`WeightReceiver`, opsd/rollout/engine.py: any rollout engine, or a user's own object
+pushing weights elsewhere) gets one update session per optimizer step: `begin_weight_update()`,
+then `receive_weights(bucket)` for each bucket of `(hf_name, full_tensor)` pairs, then
+`end_weight_update()`. Buckets bound the memory of the gathered full tensors (never the whole state
+dict at once) and keep per-call overhead low; a tensor larger than a bucket travels alone.
 
-A receiver may declare `weight_dtype` (a torch dtype; the vLLM engines hold bfloat16 weights in
-bfloat16 runs): tensors are cast to it before anything else happens to them. Sharded (FSDP2)
+Tensors go in `dtype` when one is given (an engine's `capabilities.weight_dtype`: the vLLM engines
+hold bfloat16 weights in bfloat16 runs), cast before anything else happens to them. Sharded (FSDP2)
 models are gathered one FSDP unit at a time (a transformer block, or the root's embeddings and
 head), every parameter of the unit in one all-gather of its shards already cast to that dtype:
 bfloat16 weights move half the bytes of float32 ones.
@@ -19,23 +20,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol
+from typing import Iterable, Iterator
 
 import torch
 
 from opsd import lora
 from opsd.config import ConfigError
-
-
-class WeightReceiver(Protocol):
-    def begin_weight_update(self) -> None: ...
-
-    def receive_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None: ...
-
-    def end_weight_update(self) -> None: ...
-
-    # Optional, for `rollout.lora_sync=adapter`: `receive_adapter(update: opsd.lora.AdapterUpdate)`
-    # replaces the adapter the engine samples with (the base weights stay).
+from opsd.rollout.engine import RolloutEngine, WeightReceiver
 
 
 @dataclass
@@ -123,19 +114,19 @@ def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
         yield bucket
 
 
-def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
-    """One update session: every parameter of `model`, in buckets, into `receiver` (gathered in its
-    `weight_dtype` when it declares one)."""
+def push_weights(model: torch.nn.Module, receiver: WeightReceiver, *, bucket_mb: float = 256,
+                 dtype: torch.dtype | None = None) -> SyncStats:
+    """One update session: every parameter of `model`, in buckets, into `receiver` (gathered in
+    `dtype` when given)."""
     gathered = [0]
-    stats = push_tensors(full_tensors(model, getattr(receiver, "weight_dtype", None), gathered), receiver, bucket_mb=bucket_mb)
+    stats = push_tensors(full_tensors(model, dtype, gathered), receiver, bucket_mb=bucket_mb, dtype=dtype)
     stats.gathered_bytes = gathered[0]
     return stats
 
 
-def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: WeightReceiver, *, bucket_mb: float = 256) -> SyncStats:
-    """One update session: `(hf_name, full_tensor)` pairs, in the receiver's `weight_dtype` when it
-    declares one, in buckets, into `receiver`."""
-    dtype = getattr(receiver, "weight_dtype", None)
+def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: WeightReceiver, *, bucket_mb: float = 256,
+                 dtype: torch.dtype | None = None) -> SyncStats:
+    """One update session: `(hf_name, full_tensor)` pairs, in `dtype` when given, in buckets, into `receiver`."""
     if dtype is not None:
         named_tensors = ((name, t.to(dtype)) for name, t in named_tensors)  # a no-op when gathered in it
     start = time.perf_counter()
@@ -150,23 +141,24 @@ def push_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], receiver: We
     return SyncStats(time.perf_counter() - start, total_bytes, n_buckets, count)
 
 
-def sync_student(model: torch.nn.Module, receiver, *, bucket_mb: float = 256, lora_sync: str = "adapter") -> SyncStats:
-    """The engine gets the student: all weights, or for a LoRA student its adapter (`lora_sync=adapter`)
-    or its weights with the adapter merged in (`merged`)."""
+def sync_student(model: torch.nn.Module, engine: RolloutEngine, *, bucket_mb: float = 256, lora_sync: str = "adapter") -> SyncStats:
+    """The engine gets the student, in its `capabilities.weight_dtype`: all weights, or for a LoRA
+    student its adapter (`lora_sync=adapter`) or its weights with the adapter merged in (`merged`)."""
+    dtype = engine.capabilities.weight_dtype
     if not lora.is_lora(model):
-        return push_weights(model, receiver, bucket_mb=bucket_mb)
+        return push_weights(model, engine, bucket_mb=bucket_mb, dtype=dtype)
     if lora_sync == "merged":
-        return push_tensors(lora.merged_tensors(model), receiver, bucket_mb=bucket_mb)
+        return push_tensors(lora.merged_tensors(model), engine, bucket_mb=bucket_mb, dtype=dtype)
     start = time.perf_counter()
     update = lora.adapter_update(model)
-    receiver.receive_adapter(update)
+    engine.receive_adapter(update)
     return SyncStats(time.perf_counter() - start, update.bytes, 1, len(update.tensors))
 
 
-def check_adapter_receiver(receiver) -> None:
+def check_adapter_receiver(engine: RolloutEngine) -> None:
     """`rollout.lora_sync=adapter` needs an engine that serves adapters; say so before training starts."""
-    if not callable(getattr(receiver, "receive_adapter", None)):
+    if not engine.capabilities.receive_adapter:
         raise ConfigError(
-            f"rollout.lora_sync=adapter: the rollout engine {type(receiver).__name__} has no receive_adapter(update) "
-            "method; set rollout.lora_sync=merged to push full weights with the adapter merged in"
+            f"rollout.lora_sync=adapter: the rollout engine {type(engine).__name__} has no receive_adapter (its "
+            "capabilities.receive_adapter is false); set rollout.lora_sync=merged to push full weights with the adapter merged in"
         )

@@ -4,9 +4,9 @@
 
     model/                 the student as a Hugging Face directory (safetensors, config, processor);
                            with LoRA its adapter as a PEFT directory (+ processor)
-    teacher/               the EMA teacher the same way (teacher.mode=ema only)
-    train_state/           torch.distributed.checkpoint: model, optimizer, scheduler (+ teacher);
-                           with LoRA only the trainable (adapter) weights and the EMA adapter
+    teacher/               the teacher the same way, when its mode keeps one (`model_dir`: the EMA)
+    train_state/           torch.distributed.checkpoint: model, optimizer, scheduler (+ the teacher's
+                           `train_state`); with LoRA only the trainable (adapter) weights
     rng/rank-{r}.pt        each rank's RNG states
     trainer_state.json     step, config, data position, best metric, counters, wandb run id
     opsd_checkpoint.json   manifest, written last: model fingerprint, every file with its size
@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from opsd import lora
 from opsd.device import process_rank, process_world_size
+from opsd.teacher import TEACHER_DIR_WEIGHTS, Teacher, resume_refusal, saved_weights
 from opsd.trainer.rng import rng_state
 
 FORMAT_VERSION = 1
@@ -81,18 +82,13 @@ class TrainingParts:
     """Everything a checkpoint saves and restores besides the RNG states."""
 
     student: nn.Module
-    teacher: nn.Module
-    """The teacher module; the student itself when `teacher_mode` is `self`."""
-    teacher_mode: str
+    teacher: Teacher
+    """The teacher component (opsd/teacher.py): it says what of it a checkpoint holds."""
     optimizer: torch.optim.Optimizer
     scheduler: Any
     processor: Any
     stream: Any = None
     """The data stream; its position goes into `trainer_state.json` (see CheckpointManager)."""
-
-    @property
-    def separate_teacher(self) -> bool:
-        return self.teacher is not self.student
 
 
 @dataclass(frozen=True)
@@ -247,11 +243,9 @@ def _train_state(parts: TrainingParts) -> dict:
     """The `torch.distributed.checkpoint` state: sharded or plain, whatever the modules are."""
     model_state, optim_state = get_state_dict(parts.student, parts.optimizer, options=_state_options(parts.student))
     state = {"model": model_state, "optimizer": optim_state, "scheduler": parts.scheduler.state_dict()}
-    if parts.separate_teacher:
-        state["teacher"] = get_model_state_dict(parts.teacher)
-    elif parts.teacher_mode == "ema" and lora.is_lora(parts.student):
-        # The EMA adapter's own tensors under the student adapter's names (loaded in place).
-        state["teacher"] = {k: p.detach() for k, p in lora.adapter_parameters(parts.student, lora.EMA_ADAPTER).items()}
+    teacher_state = parts.teacher.train_state()
+    if teacher_state is not None:
+        state["teacher"] = teacher_state
     return state
 
 
@@ -360,8 +354,10 @@ def _begin_save(output_dir: Path, step: int, tmp: Path) -> None:
 
 def _write_states(tmp: Path, step: int, parts: TrainingParts) -> None:
     _save_hf_dir(parts.student, parts.processor, tmp / MODEL_DIR)
-    if parts.teacher_mode == "ema":
-        _save_hf_dir(parts.teacher, parts.processor, tmp / TEACHER_DIR, adapter=lora.EMA_ADAPTER)
+    teacher_dir = parts.teacher.model_dir(parts.student)
+    if teacher_dir is not None:
+        module, adapter = teacher_dir
+        _save_hf_dir(module, parts.processor, tmp / TEACHER_DIR, adapter=adapter)
     _fault_point("model", step)
     with _single_process_quietly():
         dcp.save(_train_state(parts), checkpoint_id=tmp / TRAIN_STATE_DIR)
@@ -376,7 +372,7 @@ def _commit(tmp: Path, final: Path, step: int, parts: TrainingParts, trainer_sta
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
-        "teacher_mode": parts.teacher_mode,
+        "teacher_mode": parts.teacher.mode,
         "world_size": process_world_size(),
         "model": model_fingerprint(parts.student),
         "files": _file_records(tmp),
@@ -522,7 +518,7 @@ def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = Fa
     check_model_fits(path, manifest, parts.student)
     saved_mode = manifest["teacher_mode"]
     if weights_only:
-        if from_ema and saved_mode != "ema":
+        if from_ema and _saved_weights(path, saved_mode) != TEACHER_DIR_WEIGHTS:
             raise CheckpointError(f"checkpoint {path} has no EMA weights: it was written with teacher.mode={saved_mode}")
         key = "teacher" if from_ema else "model"
         options = _state_options(parts.student)
@@ -530,18 +526,25 @@ def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = Fa
         _dcp_load(state, path)
         set_model_state_dict(parts.student, state[key], options=options)
         return manifest
-    if saved_mode != parts.teacher_mode:
-        raise CheckpointError(
-            f"checkpoint {path} was written with teacher.mode={saved_mode}, this run has teacher.mode={parts.teacher_mode}"
-        )
+    refusal = resume_refusal(parts.teacher, saved_mode)
+    if refusal:
+        raise CheckpointError(f"checkpoint {path}: {refusal}")
     state = _train_state(parts)
     _dcp_load(state, path)
     set_state_dict(parts.student, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=_state_options(parts.student))
-    if parts.separate_teacher:
-        set_model_state_dict(parts.teacher, state["teacher"])
+    if "teacher" in state:
+        parts.teacher.load_train_state(state["teacher"])
     parts.scheduler.load_state_dict(state["scheduler"])
     return manifest
+
+
+def _saved_weights(path: Path, saved_mode: str) -> str:
+    """Where the checkpoint at `path` keeps its teacher's weights (see opsd/teacher.py)."""
+    try:
+        return saved_weights(saved_mode)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {path}: {err}") from None
 
 
 def load_rng_state(path: Path) -> dict | None:

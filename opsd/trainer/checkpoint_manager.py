@@ -17,12 +17,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from tqdm.auto import tqdm
 
 from opsd.config import Config, config_to_dict
 from opsd.device import process_rank
-from opsd.lora import is_lora, reset_ema_adapter
 from opsd.trainer.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -172,10 +170,7 @@ class CheckpointManager:
             return 0
         if not self.continues:
             load_checkpoint(self.source, parts, weights_only=True, from_ema=self.ckpt.resume_from_ema)
-            if parts.separate_teacher:  # the teacher starts from the loaded weights, as at any fresh start
-                set_model_state_dict(parts.teacher, get_model_state_dict(parts.student))
-            elif parts.teacher_mode == "ema" and is_lora(parts.student):
-                reset_ema_adapter(parts.student)
+            parts.teacher.restart_from(parts.student)  # from the loaded weights, as at any fresh start
             _say(f"started from the {'EMA ' if self.ckpt.resume_from_ema else ''}weights of {self.source} (new run, step 0)")
             return 0
         changes = changed_settings(self.saved_state["config"], config_to_dict(self.cfg))

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from opsd.config import Config, LoraConfig, ModelConfig
+from opsd.loss_kinds import build_loss
+from opsd.teacher import TeacherMemory, teacher_class
 
 GB = 1e9
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
@@ -207,36 +209,25 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> Memory
 
     per = f"/ {shard} ranks" if shard > 1 else "(unsharded)"
     lora = cfg.model.lora
-    if lora:  # a frozen base: gradients and AdamW states for the adapter only; EMA = a second adapter
-        A = shape.lora_parameters
+    A = shape.lora_parameters
+    if lora:  # a frozen base: gradients and AdamW states for the adapter only
         static = add("student weights", (DTYPE_BYTES[lora.base_dtype] * P + 4 * A) / shard,
                      f"frozen {lora.base_dtype} base + float32 adapter ({A / 1e6:.0f}M) {per}")
         static += add("gradients", 4 * A / shard, f"float32, adapter only {per}")
         static += add("optimizer", 8 * A / shard, f"AdamW: 2 float32 states, adapter only {per}")
-        if cfg.teacher.mode == "ema":
-            static += add("teacher (ema)", 4 * A / shard, "a second adapter")
-        elif cfg.teacher.mode in ("self", "base"):
-            static += add(f"teacher ({cfg.teacher.mode})", 0, "the student's own weights" +
-                          (", adapter switched off" if cfg.teacher.mode == "base" else ""))
-        else:
-            static += add(f"teacher ({cfg.teacher.mode})", 4 * P / shard, f"float32 {per}")
-        separate_teacher = cfg.teacher.mode == "fixed"
-    else:  # without LoRA, `base` is `fixed`: a copy of the initial weights
-        separate_teacher = cfg.teacher.mode != "self"
+    else:
         static = add("student weights", 4 * P / shard, f"float32 master {per}")
         static += add("gradients", 4 * P / shard, f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else ""))
         static += add("optimizer", 8 * P / shard, f"AdamW: 2 float32 states {per}")
-        if separate_teacher and dist.cpu_offload_teacher and world_size > 1:
-            static += add(f"teacher ({cfg.teacher.mode})", 0, "shards offloaded to host memory")
-        elif separate_teacher:
-            static += add(f"teacher ({cfg.teacher.mode})", 4 * P / shard, f"float32 {per}")
-        else:
-            static += add(f"teacher ({cfg.teacher.mode})", 0, "the student's own weights")
+    teacher = teacher_class(cfg.teacher, lora_student=lora is not None)
+    memory = TeacherMemory(copy_bytes=4 * P / shard, adapter_bytes=4 * A / shard, per=per,
+                           offloaded=dist.cpu_offload_teacher and world_size > 1)
+    static += add(f"teacher ({cfg.teacher.mode})", *teacher.memory_row(memory))
     static += add("CUDA context, NCCL, slack", CONTEXT_GB * GB, "estimate")
 
     gathered = 0.0
     if shard > 1:
-        roots = 2 if separate_teacher else 1
+        roots = 2 if teacher.HOLDS_COPY else 1
         gathered = add(
             "gathered FSDP units",
             (roots * shape.root_parameters + 2 * shape.largest_block) * gathered_bytes,
@@ -265,7 +256,7 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> Memory
         f"checkpointing {'on' if checkpointing else 'off'}",
     )
     completion = sequences * min(rollout.max_new_tokens, train.max_forward_tokens)
-    logits = completion * shape.vocab * 3 * compute + min(completion, cfg.loss.chunk_size) * shape.vocab * 4 * 6
+    logits = completion * shape.vocab * 3 * compute + min(completion, build_loss(cfg.loss).chunk_rows) * shape.vocab * 4 * 6
     add("logits (estimate)", logits, f"{completion} completion positions x {shape.vocab} (both roles, loss chunks in float32)")
     training_extra = gathered + (activations + logits) / GB
 

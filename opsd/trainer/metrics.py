@@ -12,9 +12,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from opsd.config import Config, LoggingConfig
+from opsd.loss_kinds import DISTILL_METRICS, build_loss
 
 CONSOLE_KEYS = (
-    "loss", "jsd", "tinker_loss", "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy", "eval/teacher_accuracy",
+    "loss", *DISTILL_METRICS, "ce", "lr", "grad_norm", "completion_len", "logprob_mismatch_max", "eval/accuracy",
+    "eval/teacher_accuracy",
 )
 
 
@@ -28,9 +30,9 @@ MISMATCH_PATIENCE = 3
 
 
 def mismatch_threshold(cfg: Config) -> float | None:
-    """The run's `MISMATCH_THRESHOLD`; None when nothing sampled (sft) or the trainer's scores are
-    noisy by design (LoRA dropout)."""
-    if cfg.loss.kind == "sft" or (cfg.model.lora is not None and cfg.model.lora.dropout > 0):
+    """The run's `MISMATCH_THRESHOLD`; None when nothing is sampled (a loss kind that is not on-policy,
+    `sft`) or the trainer's scores are noisy by design (LoRA dropout)."""
+    if not build_loss(cfg.loss).on_policy or (cfg.model.lora is not None and cfg.model.lora.dropout > 0):
         return None
     return MISMATCH_THRESHOLD[cfg.model.dtype]
 

@@ -1,16 +1,21 @@
-"""One optimizer step of self-distillation: score and backward each micro-batch, clip, step, metrics."""
+"""One optimizer step of self-distillation: score and backward each micro-batch, clip, step, metrics.
+
+`TrainStep` is built once per run from the models, the optimizer and what the config says about
+scoring (`Scoring`: the loss object, dtype, pad id, micro-batch size, packing); each optimizer step
+calls it with that step's examples.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from opsd.config import LossConfig
 from opsd.loss import GuardrailSums
-from opsd.scoring import DISTILL_METRIC, ScoredBatch, score_micro_batch, weighted_loss
+from opsd.loss_kinds import Loss, weighted_loss
+from opsd.scoring import ScoredBatch, Scoring
 from opsd.sequences import Example
 from opsd.trainer.distributed import Ranks
 from opsd.trainer.fsdp import full_value, set_gradient_sync
@@ -26,7 +31,7 @@ class StepSums:
     mismatch_max: float = 0.0
     guardrails: GuardrailSums = field(default_factory=GuardrailSums)
 
-    def add(self, scored: ScoredBatch, loss_cfg: LossConfig) -> None:
+    def add(self, scored: ScoredBatch, loss: Loss) -> None:
         # Same weights on both sides: a gap here means the engine did not get the last update.
         mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
         self.distill += scored.distill.detach().sum().item()
@@ -34,56 +39,56 @@ class StepSums:
         if not mismatch.isnan().any():  # NaN: no sampler produced these tokens (loss.kind=sft)
             self.mismatch += mismatch.sum().item()
             self.mismatch_max = max(self.mismatch_max, mismatch.max().item())
-        self.guardrails.add(scored.guardrails(loss_cfg))
+        self.guardrails.add(scored.guardrails(loss))
 
 
-def train_step(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
-    examples: list[Example],
-    optimizer: torch.optim.Optimizer,
-    *,
-    loss_cfg: LossConfig,
-    micro_batch_size: int,
-    max_grad_norm: float,
-    dtype: str,
-    pad_id: int,
-    on_scored: Callable[[list[Example], ScoredBatch], None] | None = None,
-    ranks: Ranks = Ranks(),
-    total_tokens: int | None = None,
-    padding: Example | None = None,
-    packed_row_tokens: int | None = None,
-) -> dict:
-    """Accumulate gradients over micro-batches of `examples`, then take one optimizer step.
+OnScored = Callable[[list[Example], ScoredBatch], None]
 
-    The loss is the sum of per-token losses over the whole step divided by the step's completion
-    tokens, so every token weighs the same whatever micro-batch it lands in (a mean of per-batch
-    means would overweight short completions). `on_scored(micro, scored)`, when given, sees each
-    micro-batch's scores after its backward (the rollout dumps record per-token values there).
 
-    Under torchrun, `total_tokens` counts the completion tokens of all ranks (global token
-    normalisation) and the returned metrics are global; `padding` fills up the micro-batches of a
-    rank that has fewer than the busiest one (see `micro_batches`). `packed_row_tokens`: see
-    `score_micro_batch`.
-    """
-    if total_tokens is None:
-        total_tokens = sum(len(e.completion_ids) for e in examples)
-    batches = micro_batches(examples, micro_batch_size, ranks, padding)
-    student.train()
-    sums = StepSums()
-    for index, micro in enumerate(batches):
-        set_gradient_sync(student, index == len(batches) - 1)  # HSDP: all-reduce replicas once, at the end
-        scored = score_micro_batch(student, teacher, micro, loss_cfg=loss_cfg, dtype=dtype, pad_id=pad_id,
-                                   packed_row_tokens=packed_row_tokens)
-        is_padding = micro[0] is padding
-        backward(scored, loss_cfg, total_tokens, weight=0.0 if is_padding else 1.0)
-        if not is_padding:
-            sums.add(scored, loss_cfg)
-            if on_scored is not None:
-                on_scored(micro, scored)
-        del scored
-    grad_norm = optimizer_step(student, optimizer, max_grad_norm)
-    return step_metrics(sums, grad_norm, loss_cfg, ranks, total_tokens, num_examples=len(examples))
+@dataclass
+class TrainStep:
+    """One optimizer step over a step's examples; built once per run, called once per step."""
+
+    student: torch.nn.Module
+    teacher: Any
+    """What scores the teacher prompts (`opsd.teacher.Teacher.scorer`)."""
+    optimizer: torch.optim.Optimizer
+    scoring: Scoring
+    max_grad_norm: float = 0.0
+    """Clip the gradient's global norm to this; 0 = no clipping (the norm is still measured)."""
+    ranks: Ranks = field(default_factory=Ranks)
+
+    def __call__(self, examples: list[Example], total_tokens: int | None = None, padding: Example | None = None,
+                 on_scored: OnScored | None = None) -> dict:
+        """Accumulate gradients over micro-batches of `examples`, then take one optimizer step.
+
+        The loss is the sum of per-token losses over the whole step divided by the step's completion
+        tokens, so every token weighs the same whatever micro-batch it lands in (a mean of per-batch
+        means would overweight short completions). `on_scored(micro, scored)`, when given, sees each
+        micro-batch's scores after its backward (the rollout dumps record per-token values there).
+
+        Under torchrun, `total_tokens` counts the completion tokens of all ranks (global token
+        normalisation) and the returned metrics are global; `padding` fills up the micro-batches of a
+        rank that has fewer than the busiest one (see `micro_batches`).
+        """
+        loss = self.scoring.loss
+        if total_tokens is None:
+            total_tokens = sum(len(e.completion_ids) for e in examples)
+        batches = micro_batches(examples, self.scoring.micro_batch_size, self.ranks, padding)
+        self.student.train()
+        sums = StepSums()
+        for index, micro in enumerate(batches):
+            set_gradient_sync(self.student, index == len(batches) - 1)  # HSDP: all-reduce replicas once, at the end
+            scored = self.scoring.micro_batch(self.student, self.teacher, micro)
+            is_padding = micro[0] is padding
+            backward(scored, loss, total_tokens, weight=0.0 if is_padding else 1.0)
+            if not is_padding:
+                sums.add(scored, loss)
+                if on_scored is not None:
+                    on_scored(micro, scored)
+            del scored
+        grad_norm = optimizer_step(self.student, self.optimizer, self.max_grad_norm)
+        return step_metrics(sums, grad_norm, loss, self.ranks, total_tokens, num_examples=len(examples))
 
 
 def micro_batches(examples: list[Example], size: int, ranks: Ranks, padding: Example | None) -> list[list[Example]]:
@@ -97,10 +102,10 @@ def micro_batches(examples: list[Example], size: int, ranks: Ranks, padding: Exa
     return batches + [[padding]] * (count - len(batches))
 
 
-def backward(scored: ScoredBatch, loss_cfg: LossConfig, total_tokens: int, weight: float = 1.0) -> None:
+def backward(scored: ScoredBatch, loss: Loss, total_tokens: int, weight: float = 1.0) -> None:
     """Backward of this micro-batch's share of the step loss (sum over its tokens / the step's tokens)."""
-    loss = scored.token_losses(loss_cfg).sum() / total_tokens
-    (loss * weight).backward()  # weight 0 (padding) joins the other ranks' collectives, adds nothing
+    share = scored.token_losses(loss).sum() / total_tokens
+    (share * weight).backward()  # weight 0 (padding) joins the other ranks' collectives, adds nothing
 
 
 def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor:
@@ -112,23 +117,23 @@ def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, m
     return grad_norm
 
 
-def step_metrics(sums: StepSums, grad_norm, loss_cfg: LossConfig, ranks: Ranks, total_tokens: int, *, num_examples: int) -> dict:
-    """The step's metrics over all ranks (collectives: every rank calls this)."""
+def step_metrics(sums: StepSums, grad_norm, loss: Loss, ranks: Ranks, total_tokens: int, *, num_examples: int) -> dict:
+    """The step's metrics over all ranks (collectives: every rank calls this): the loss, its kind's
+    distillation metric (none for `sft`), CE, and the guardrails that apply to the kind."""
     distill_sum, ce_sum, mismatch_sum, num_examples, *guardrails = ranks.sum(
         [sums.distill, sums.ce, sums.mismatch, num_examples, *sums.guardrails.as_list()]
     )
     distill, ce = distill_sum / total_tokens, ce_sum / total_tokens
-    metrics = {
-        "loss": weighted_loss(distill, ce, loss_cfg),
-        DISTILL_METRIC[loss_cfg.kind]: distill,
-        "ce": ce,
+    metrics = {"loss": weighted_loss(loss, distill, ce), **({loss.metric: distill} if loss.metric else {}), "ce": ce}
+    metrics.update({
         "grad_norm": full_value(grad_norm).item(),
         "completion_tokens": total_tokens,
         "completion_len": total_tokens / num_examples,
         "logprob_mismatch_max": ranks.max([sums.mismatch_max])[0],
         "logprob_mismatch_mean": mismatch_sum / total_tokens,
-    }
-    metrics.update(GuardrailSums(*guardrails).metrics())
+    })
+    guardrail_metrics = GuardrailSums(*guardrails).metrics()
+    metrics.update({name: guardrail_metrics[name] for name in loss.guardrail_names})
     if ranks.enabled:
         metrics["logprob_mismatch_max_per_rank"] = ranks.gather(sums.mismatch_max)
     return metrics

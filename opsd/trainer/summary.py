@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from opsd.loss_kinds import DISTILL_METRICS
 from opsd.trainer.checkpoint import latest_checkpoint
 from opsd.trainer.console import THIRD_PARTY_LOG
 from opsd.trainer.metrics import describe_skipped, off_policy_warning, skipped_rows
@@ -17,7 +18,7 @@ from opsd.trainer.metrics import describe_skipped, off_policy_warning, skipped_r
 SUMMARY_FILE = "summary.json"
 STAGES = ("rollout", "train", "weight_sync", "eval")
 """The stages every step record times as `time_{stage}_s` (train = scoring, backward and optimizer step)."""
-FIRST_LAST_KEYS = ("loss", "jsd", "tinker_loss", "eval/accuracy", "eval/teacher_accuracy")
+FIRST_LAST_KEYS = ("loss", *DISTILL_METRICS, "eval/accuracy", "eval/teacher_accuracy")
 
 
 def read_records(path: Path) -> list[dict]:
@@ -80,15 +81,21 @@ def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, st
 
 
 def what_it_showed(metrics: dict) -> str:
-    """One line on what moved: the divergence from the first to the last step, and each accuracy
-    from the first evaluation to the last (an accuracy that stayed at 0 is said to, not hidden)."""
+    """One line on what moved: the distillation term from the first to the last step, and each
+    accuracy from the first evaluation to the last (an accuracy that stayed at 0 is said to, not
+    hidden). A divergence (never negative) moves by a share of where it started; a term that can be
+    negative (`tinker_loss`) by its difference, as a share of a value near or below 0 means nothing."""
     parts = []
-    for key in ("jsd", "tinker_loss"):
+    for key, can_be_negative in DISTILL_METRICS.items():
         fl = metrics.get(key)
-        if fl and fl["first_step"] != fl["last_step"] and fl["first"]:
-            change = (fl["last"] - fl["first"]) / abs(fl["first"])
-            parts.append(f"the divergence ({key}) {'fell' if change < 0 else 'rose'} {abs(change):.0%} from step "
-                         f"{fl['first_step']} to {fl['last_step']}")
+        if not fl or fl["first_step"] == fl["last_step"]:
+            continue
+        steps = f"from step {fl['first_step']} to {fl['last_step']}"
+        if can_be_negative:
+            parts.append(f"{key} went {fl['first']:.3g} -> {fl['last']:.3g} ({fl['last'] - fl['first']:+.3g}) {steps}")
+        elif fl["first"]:
+            change = (fl["last"] - fl["first"]) / fl["first"]
+            parts.append(f"the divergence ({key}) {'fell' if change < 0 else 'rose'} {abs(change):.0%} {steps}")
     for key, name in (("eval/accuracy", "student accuracy"), ("eval/teacher_accuracy", "teacher-prompt accuracy")):
         fl = metrics.get(key)
         if fl and fl["first_step"] != fl["last_step"]:

@@ -3,7 +3,7 @@
 import torch
 
 from opsd.loss import token_logprobs
-from opsd.scoring import completion_logits
+from opsd.scoring import completion_logits, pad_token_id
 from opsd.sequences import collate, encode_prompt
 
 TOLERANCE = 1e-4
@@ -11,8 +11,7 @@ TOLERANCE = 1e-4
 
 def trainer_logprobs(model, processor, prompts, completions):
     encoded = [encode_prompt(processor, prompts[c.prompt_index]) for c in completions]
-    pad_id = getattr(processor, "tokenizer", processor).pad_token_id
-    batch = collate(encoded, [c.token_ids for c in completions], pad_id)
+    batch = collate(encoded, [c.token_ids for c in completions], pad_token_id(processor))
     with torch.no_grad():
         return token_logprobs(completion_logits(model, batch), batch.completion_ids)
 
@@ -28,11 +27,12 @@ def sample_grid_eval_prompts(model_dir, processor, grid_data_dir):
     from opsd.data.synthetic import load_samples
     from opsd.prompts import placeholder_token_ids, student_prompt
     from opsd.rollout.engine import SamplingSettings
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
 
     prompts = [student_prompt(s, processor, PromptConfig()) for s in load_samples(grid_data_dir / "eval.parquet")[:3]]
     sampling = SamplingSettings(max_new_tokens=12, n=2, seed=5, banned_token_ids=placeholder_token_ids(processor))
-    engine = VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+    engine = VLLMEngine(VLLMOptions(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     try:
         return prompts, engine.generate(prompts, sampling)
     finally:

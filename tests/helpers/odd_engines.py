@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from opsd.device import resolve_device
-from opsd.modeling import load_model
-from opsd.rollout.hf_engine import HFEngine
+from opsd.rollout import builtin_engine
 
 
 class EngineWithoutClose:
@@ -29,11 +25,11 @@ class OtherPromptEngine:
     scores them under their own prompt, so they are not the student's samples."""
 
     def __init__(self, *, cfg, model_path, processor):
-        self.inner = HFEngine(load_model(cfg.model, processor, resolve_device(cfg.train.device)), processor)
+        self.inner = builtin_engine(cfg, model_path, processor, "hf")
+        self.capabilities = self.inner.capabilities
 
     def generate(self, prompts, sampling):
-        shifted = prompts[1:] + prompts[:1]
-        return [dataclasses.replace(c, prompt_index=c.prompt_index) for c in self.inner.generate(shifted, sampling)]
+        return self.inner.generate(prompts[1:] + prompts[:1], sampling)  # each prompt's completions: the next one's
 
     def begin_weight_update(self):
         self.inner.begin_weight_update()

@@ -7,25 +7,26 @@ from opsd.config import ModelConfig, OptimConfig, TeacherConfig, config_from_dic
 from opsd.data.sample import Sample
 from opsd.data.stream import SampleStream
 from opsd.modeling import load_model, load_processor
-from opsd.teacher import make_teacher, update_teacher
+from opsd.teacher import make_teacher
 from opsd.trainer.checkpoint import TrainingParts
 from tests.helpers.samples import SampleList
 from opsd.trainer.optim import build_optimizer, build_scheduler
 
 
 def make_parts(model_dir, teacher_mode="ema", wrap=lambda model: None):
-    """`wrap` (e.g. FSDP2 sharding) is applied to the student and teacher before the optimizer exists."""
+    """`wrap` (e.g. FSDP2 sharding) is applied to the student and its teacher's own model (if any)
+    before the optimizer exists; the EMA moves half way each step."""
     model_cfg = ModelConfig(path=str(model_dir))
     processor = load_processor(model_cfg)
     student = load_model(model_cfg, processor, torch.device("cpu"))
-    teacher = make_teacher(TeacherConfig(mode=teacher_mode), student)
-    for model in {id(student): student, id(teacher): teacher}.values():
+    teacher = make_teacher(TeacherConfig(mode=teacher_mode, ema_decay=0.5), student)
+    for model in [student] + ([teacher.module] if teacher.module is not None else []):
         wrap(model)
     optim_cfg = OptimConfig(lr=1e-2, min_lr=0.0, warmup_steps=1)
     optimizer = build_optimizer(optim_cfg, student)
     scheduler = build_scheduler(optim_cfg, optimizer, 10)
     samples = [Sample(id=f"s{i}", question=f"q{i}", images=[], privileged_images=[]) for i in range(5)]
-    return TrainingParts(student, teacher, teacher_mode, optimizer, scheduler, processor, SampleStream([SampleList(samples)], seed=3))
+    return TrainingParts(student, teacher, optimizer, scheduler, processor, SampleStream([SampleList(samples)], seed=3))
 
 
 def take_steps(parts, n):
@@ -36,7 +37,7 @@ def take_steps(parts, n):
         parts.optimizer.step()
         parts.optimizer.zero_grad()
         parts.scheduler.step()
-        update_teacher(TeacherConfig(mode=parts.teacher_mode, ema_decay=0.5), parts.teacher, parts.student)
+        parts.teacher.update(parts.student)
 
 
 def assert_same_tensors(a: dict, b: dict):

@@ -1,8 +1,9 @@
 """A custom rollout engine for the tests, named in configs as
 `tests.helpers.recording_engine:RecordingEngine`.
 
-It samples with the transformers engine and, as its weight-sync hook, appends one JSON line per
-update to `<output_dir>/weight_sync_record.jsonl`: the name and byte size of every tensor synced.
+It wraps the built-in transformers engine, as a user's wrapper would (`builtin_engine`, keeping its
+capabilities), and, as its weight-sync hook, appends one JSON line per update to
+`<output_dir>/weight_sync_record.jsonl`: the name and byte size of every tensor synced.
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from opsd.modeling import load_model
-from opsd.rollout.hf_engine import HFEngine
-from opsd.device import resolve_device
+from opsd.rollout import EngineCapabilities, builtin_engine
 
 
 class RecordingEngine:
     def __init__(self, *, cfg, model_path, processor):
-        self.inner = HFEngine(load_model(cfg.model, processor, resolve_device(cfg.train.device)), processor)
+        self.inner = builtin_engine(cfg, model_path, processor, "hf")
+        self.capabilities = self.inner.capabilities
         self.record_path = Path(cfg.logging.output_dir) / "weight_sync_record.jsonl"
         self.record_path.parent.mkdir(parents=True, exist_ok=True)
         self.record_path.write_text("")
@@ -45,3 +45,18 @@ class RecordingEngine:
 
     def close(self):
         self.inner.close()
+
+
+class Undeclared:
+    """Has every engine method but does not say which optional abilities it has."""
+
+    def __init__(self, **_):
+        pass
+
+    generate = begin_weight_update = receive_weights = end_weight_update = close = lambda self, *a: None
+
+
+class SleepsWithoutMethod(Undeclared):
+    """Declares `release_memory` but has no such method (a wrapper that forgot to forward it)."""
+
+    capabilities = EngineCapabilities(release_memory=True)

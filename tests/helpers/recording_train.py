@@ -1,9 +1,9 @@
 """`python -m opsd.train` that also records, on every rank, what the weight sync pushed into its engine.
 
-Run as `python tests/recording_train.py --config ...` or under `torchrun`. After every sync, rank R
+Run as `python tests/helpers/recording_train.py --config ...` or under `torchrun`. After every sync, rank R
 writes `<output_dir>/pushed_rank{R}.safetensors` (the full tensors it pushed) and
 `<output_dir>/engine_rank{R}.json` (the engine's own parameter digests, when it has them); the last
-step's files remain. A LoRA run with adapter sync records the adapter's tensors (PEFT file keys). Used by tests/test_distributed_train.py.
+step's files remain. A LoRA run with adapter sync records the adapter's tensors (PEFT file keys). Used by tests/integration/test_distributed_train.py.
 
 `OPSD_TEST_SIGNAL=<stage>@<step>[:parent]` sends a SIGTERM at that point (tests/helpers/signals.py).
 Each rank writes its exit status to `<output_dir>/exit_rank{R}` and its pid to `<output_dir>/pid_rank{R}`.
@@ -27,6 +27,7 @@ class Recorder:
 
     def __init__(self, engine):
         self.engine, self.tensors = engine, {}
+        self.capabilities = engine.capabilities  # the engine's weight dtype, adapters, ... kept
 
     def begin_weight_update(self):
         self.engine.begin_weight_update()

@@ -20,7 +20,7 @@ def during(stage: str, step: int, *, to: str = "self", signum: int = signal.SIGT
     real = getattr(opsd.train, name)
 
     def signalling(run, *args, **kwargs):
-        if run.step + 1 == step and run.ranks.rank == rank:  # run.step: the last step finished
+        if run.last_step + 1 == step and run.ranks.rank == rank:
             signalling.sent_at = time.monotonic()
             os.kill(os.getppid() if to == "parent" else os.getpid(), signum)
         return real(run, *args, **kwargs)

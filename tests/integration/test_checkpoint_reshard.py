@@ -68,7 +68,7 @@ def test_checkpoint_moves_between_one_and_two_ranks(tmp_path, tiny_text_dir):
     back = make_parts(tiny_text_dir)
     load_checkpoint(sharded, back)
     assert_same_tensors(back.student.state_dict(), parts.student.state_dict())
-    assert_same_tensors(back.teacher.state_dict(), parts.teacher.state_dict())
+    assert_same_tensors(back.teacher.module.state_dict(), parts.teacher.module.state_dict())
     for index, state in parts.optimizer.state_dict()["state"].items():
         assert_same_tensors(state, back.optimizer.state_dict()["state"][index])
     assert back.scheduler.state_dict() == parts.scheduler.state_dict()

@@ -7,20 +7,21 @@ single-process one, gradient clipping included. Plain SGD keeps round-off differ
 gradients visible as such (Adam would scale them up to the learning rate).
 """
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from opsd.config import DistributedConfig, LossConfig, TeacherConfig
+from opsd.config import DistributedConfig, JsdLossConfig, TeacherConfig
+from opsd.loss_kinds import build_loss
+from opsd.scoring import Scoring
 from opsd.sequences import EncodedPrompt, Example, padding_example
-from opsd.teacher import update_teacher
-from opsd.trainer.step import train_step
+from opsd.teacher import make_teacher
+from opsd.trainer.distributed import Ranks
+from opsd.trainer.step import TrainStep
 from tests.helpers.spawn import run_two_ranks
 
 TEACHER = TeacherConfig(mode="ema", ema_decay=0.5)
-LOSS = LossConfig(top_k=16, ce_weight=0.5)
+LOSS = JsdLossConfig(top_k=16, ce_weight=0.5)
 # Per step: which of the step's examples each rank trains on (micro-batches of one example).
 SPLITS = [([0, 1, 2], []), ([0], [1, 2]), ([0, 1], [2])]
 
@@ -39,28 +40,29 @@ def make_examples(step: int, vocab: int) -> list[Example]:
 
 
 def load(model_dir):
+    """The student and its EMA teacher (a frozen copy)."""
     from transformers import AutoModelForCausalLM
 
     student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return student, copy.deepcopy(student).eval().requires_grad_(False)
+    return student, make_teacher(TEACHER, student)
 
 
-def run_steps(student, teacher, rank_examples, step_kwargs):
+def run_steps(student, teacher, rank_examples, ranks=Ranks(), scoring=None, per_step=lambda step: (None, None)):
+    """The steps of one rank: `per_step(step)` gives the step's (total tokens, padding example)."""
     optimizer = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=0.5)
+    scoring = scoring or Scoring(build_loss(LOSS), pad_id=0, micro_batch_size=1)
+    train = TrainStep(student, teacher.scorer, optimizer, scoring, max_grad_norm=2.0, ranks=ranks)
     metrics = []
     for step, examples in enumerate(rank_examples):
-        metrics.append(train_step(
-            student, teacher, examples, optimizer, loss_cfg=LOSS, max_grad_norm=2.0, dtype="float32", pad_id=0,
-            **{"micro_batch_size": 1, **step_kwargs(step)},
-        ))
-        update_teacher(TEACHER, teacher, student)
+        metrics.append(train(examples, *per_step(step)))
+        teacher.update(student)
     return metrics
 
 
 MODES = {"fsdp": DistributedConfig(), "hsdp+checkpointing": DistributedConfig(shard_size=1, activation_checkpointing=True)}
 # The same FSDP runs with whole-share micro-batches whose two samples of one prompt share its forward
 # (packed rows), against the reference's one sequence at a time.
-PACKED = {"micro_batch_size": 3, "packed_row_tokens": 64}
+PACKED = Scoring(build_loss(LOSS), pad_id=0, micro_batch_size=3, packed_row_tokens=64)
 MODES |= {f"{mode}+packed": cfg for mode, cfg in MODES.items()}
 
 
@@ -76,18 +78,17 @@ def _worker(rank, port, model_dir, out_dir):
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(student)
         shard_model(student, ranks, cfg, trainable=True)
-        shard_model(teacher, ranks, cfg, trainable=False)
+        shard_model(teacher.module, ranks, cfg, trainable=False)
         steps = [make_examples(step, student.config.vocab_size) for step in range(len(SPLITS))]
         mine = [[examples[i] for i in SPLITS[step][rank]] for step, examples in enumerate(steps)]
 
-        def step_kwargs(step):
+        def per_step(step):
             tokens = sum(len(steps[step][i].completion_ids) for i in SPLITS[step][0] + SPLITS[step][1])
-            pad = padding_example(steps[step][0].student, steps[step][0].teacher, token_id=1)
-            return dict(ranks=ranks, total_tokens=tokens, padding=pad, **(PACKED if mode.endswith("+packed") else {}))
+            return tokens, padding_example(steps[step][0].student, steps[step][0].teacher, token_id=1)
 
-        metrics = run_steps(student, teacher, mine, step_kwargs)
+        metrics = run_steps(student, teacher, mine, ranks, PACKED if mode.endswith("+packed") else None, per_step)
         full = {f"student.{n}": p.detach().full_tensor() for n, p in student.named_parameters()}
-        full |= {f"teacher.{n}": p.detach().full_tensor() for n, p in teacher.named_parameters()}
+        full |= {f"teacher.{n}": p.detach().full_tensor() for n, p in teacher.module.named_parameters()}
         local = {n: p.detach().to_local().clone() for n, p in student.named_parameters()}
         torch.save((metrics, full, local), f"{out_dir}/{mode}-rank{rank}.pt")
     dist.barrier()
@@ -100,9 +101,9 @@ def test_two_ranks_with_uneven_and_empty_shares_match_one_process(tmp_path, tiny
 
     student, teacher = load(tiny_text_dir)
     steps = [make_examples(step, student.config.vocab_size) for step in range(len(SPLITS))]
-    reference = run_steps(student, teacher, steps, lambda step: {})
+    reference = run_steps(student, teacher, steps)
     expected = {f"student.{n}": p.detach() for n, p in student.named_parameters()}
-    expected |= {f"teacher.{n}": p for n, p in teacher.named_parameters()}
+    expected |= {f"teacher.{n}": p for n, p in teacher.module.named_parameters()}
 
     for mode in MODES:
         got = [torch.load(tmp_path / f"{mode}-rank{r}.pt") for r in (0, 1)]

@@ -39,7 +39,7 @@ def test_two_step_runs_report_every_run_side_by_side(tmp_path):
     control = report["runs"]["no_privileged"]
     assert all(e["student_accuracy"] == e["teacher_accuracy"] for e in control["eval"])
     assert max(control["distill_first_last"]) < 1e-6
-    assert report["runs"]["sft"]["distill_first_last"] == [0.0, 0.0]
+    assert report["runs"]["sft"]["distill_first_last"] is None  # sft has no distillation term to log
     assert report["runs"]["opsd"]["distill_first_last"][0] > 1e-3
     assert {"opsd_gain_points", "opsd_gains_20_points", "no_privileged_moves_under_5_points",
             "under_30_minutes"} <= set(report["acceptance"])

@@ -49,9 +49,9 @@ def train_capturing_student(cfg):
     """Run `opsd.train.train`; returns the trained student module."""
     captured = {}
 
-    def capture(teacher_cfg, student):
+    def capture(teacher_cfg, student, *copy_student):
         captured["student"] = student
-        return make_teacher(teacher_cfg, student)
+        return make_teacher(teacher_cfg, student, *copy_student)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(opsd.train, "make_teacher", capture)
@@ -150,6 +150,6 @@ def test_text_model_trains_with_lora(sync, teacher, tmp_path, tiny_text_dir):
     encoded = [encode_prompt(processor, p) for p in prompts]
     batch = collate(encoded, [[5, 6, 7, 8]] * len(encoded), processor.pad_token_id)
     with torch.no_grad():
-        base = completion_logits(make_teacher(TeacherConfig(mode="base"), student), batch)
+        base = completion_logits(make_teacher(TeacherConfig(mode="base"), student).scorer, batch)
         assert torch.equal(base, completion_logits(initial, batch))
         assert (completion_logits(student, batch) - base).abs().max() > 1e-6  # the adapter did train

@@ -58,9 +58,10 @@ def straight_run(tmp_path_factory, tiny_vlm_dir, grid_data_dir):
     output_dir = tmp_path_factory.mktemp("straight") / "run"
     captured = {}
 
-    def capture_teacher(cfg, student):
-        captured["student"], captured["teacher"] = student, make_teacher(cfg, student)
-        return captured["teacher"]
+    def capture_teacher(cfg, student, *copy_student):
+        teacher = make_teacher(cfg, student, *copy_student)
+        captured["student"], captured["teacher"] = student, teacher.module  # the EMA copy
+        return teacher
 
     make_teacher = opsd.train.make_teacher
     with pytest.MonkeyPatch.context() as patch:

@@ -15,9 +15,10 @@ from tests.helpers.samples import text_samples
 
 def make_engine(kind, model_dir, processor):
     if kind == "vllm":
+        from opsd.rollout.vllm_args import VLLMOptions
         from opsd.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+        return VLLMEngine(VLLMOptions(str(model_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     from opsd.rollout.hf_engine import HFEngine
 
     return HFEngine(load_model(ModelConfig(path=str(model_dir)), processor, torch.device("cpu")), processor)
@@ -63,11 +64,12 @@ def test_engine_matches_trainer_before_and_after_update(kind, model, tiny_vlm_di
 def test_vllm_update_changes_engine_weights(tiny_vlm_dir):
     """Digests of the engine's parameters move with an update (CPU prepacks linear layers, whose
     parameter objects are left empty; norms, embeddings and biases are still visible)."""
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
 
     processor = load_processor(ModelConfig(path=str(tiny_vlm_dir)))
     trainer = load_model(ModelConfig(path=str(tiny_vlm_dir)), processor, torch.device("cpu"))
-    engine = VLLMEngine(str(tiny_vlm_dir), max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+    engine = VLLMEngine(VLLMOptions(str(tiny_vlm_dir), max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     try:
         before = engine.weight_checksums()
         push_weights(trainer, engine, bucket_mb=0.05)
@@ -88,11 +90,12 @@ def test_vllm_seeded_sampling_of_a_batch_larger_than_one_prefill_step(tiny_text_
     """vLLM 0.32 on CPU crashes when a seeded request's prefill is split across scheduler steps
     ("CPU Generator does not use offset"); the engine's token budget keeps the prefill in one step."""
     from opsd.prompts import Prompt
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
 
     words = " ".join(["step path maze grid answer think"] * 20)
     prompts = [Prompt(f"<|im_start|>user\n{i} {words}<|im_end|>\n<|im_start|>assistant\n", []) for i in range(40)]
-    engine = VLLMEngine(str(tiny_text_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True)
+    engine = VLLMEngine(VLLMOptions(str(tiny_text_dir), dtype="float32", max_model_len=1024, kv_cache_memory_mb=64, enforce_eager=True))
     try:
         assert sum(len(engine.tokenizer(p.text)["input_ids"]) for p in prompts) > 4096  # vLLM's default budget
         completions = engine.generate(prompts, SamplingSettings(max_new_tokens=4, seed=1))

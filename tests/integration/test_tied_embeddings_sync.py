@@ -26,6 +26,7 @@ def test_tied_lm_head_follows_an_embedding_update(tied_text_dir):
 
     from opsd.prompts import Prompt
     from opsd.rollout.engine import SamplingSettings
+    from opsd.rollout.vllm_args import VLLMOptions
     from opsd.rollout.vllm_engine import VLLMEngine
     from opsd.rollout.weight_sync import push_weights
 
@@ -34,7 +35,7 @@ def test_tied_lm_head_follows_an_embedding_update(tied_text_dir):
     assert [n for n, _ in model.named_parameters() if "embed" in n or "lm_head" in n] == ["model.embed_tokens.weight"]
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    engine = VLLMEngine(str(tied_text_dir), max_model_len=256, kv_cache_memory_mb=32, enforce_eager=True)
+    engine = VLLMEngine(VLLMOptions(str(tied_text_dir), max_model_len=256, kv_cache_memory_mb=32, enforce_eager=True))
     try:
         def mismatch():
             c = engine.generate([Prompt(text=text, images=[])], SamplingSettings(max_new_tokens=8, seed=0))[0]

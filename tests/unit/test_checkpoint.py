@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from opsd.config import ConfigError, LoggingConfig, OptimConfig
+from opsd.config import ConfigError, LoggingConfig, OptimConfig, TeacherConfig, config_from_dict
+from opsd.teacher import make_teacher
 from opsd.trainer import checkpoint as ckpt
 from opsd.trainer.checkpoint import (
     CheckpointError,
@@ -50,8 +51,8 @@ def test_round_trip_restores_weights_optimizer_schedule_and_teacher(saved, tiny_
     manifest = load_checkpoint(path, fresh)
     assert manifest["step"] == 3 and manifest["teacher_mode"] == "ema"
     assert_same_tensors(fresh.student.state_dict(), parts.student.state_dict())
-    assert_same_tensors(fresh.teacher.state_dict(), parts.teacher.state_dict())
-    assert not torch.equal(fresh.teacher.lm_head.weight, fresh.student.lm_head.weight)
+    assert_same_tensors(fresh.teacher.module.state_dict(), parts.teacher.module.state_dict())
+    assert not torch.equal(fresh.teacher.module.lm_head.weight, fresh.student.lm_head.weight)
     assert fresh.scheduler.state_dict() == parts.scheduler.state_dict()
     saved_optim, loaded_optim = parts.optimizer.state_dict(), fresh.optimizer.state_dict()
     assert saved_optim["param_groups"] == loaded_optim["param_groups"]
@@ -73,7 +74,7 @@ def test_weights_only_load_takes_student_or_ema_weights(saved, tiny_text_dir):
     assert_same_tensors(fresh.student.state_dict(), parts.student.state_dict())
     assert not fresh.optimizer.state  # the optimizer stays fresh
     load_checkpoint(path, fresh, weights_only=True, from_ema=True)
-    assert_same_tensors(fresh.student.state_dict(), parts.teacher.state_dict())
+    assert_same_tensors(fresh.student.state_dict(), parts.teacher.module.state_dict())
 
 
 def test_rng_states_round_trip():
@@ -182,7 +183,8 @@ def test_checkpoint_with_other_shapes_is_refused(saved, tiny_text_dir):
     config = AutoConfig.from_pretrained(tiny_text_dir)
     config.intermediate_size *= 2
     wider = AutoModelForCausalLM.from_config(config)
-    other = TrainingParts(wider, wider, "self", build_optimizer(OptimConfig(), wider), parts.scheduler, parts.processor)
+    other = TrainingParts(wider, make_teacher(TeacherConfig(mode="self"), wider), build_optimizer(OptimConfig(), wider),
+                          parts.scheduler, parts.processor)
     with pytest.raises(CheckpointError, match=r"mlp\.\w+_proj\.weight has shape \[\d+, \d+\] in the checkpoint, \[\d+, \d+\] in the model"):
         load_checkpoint(path, other)
 
@@ -280,8 +282,8 @@ def test_weights_only_resume_starts_a_new_run_from_the_ema_weights(saved, tmp_pa
     assert manager.resume_step is None and manager.saved_wandb_run_id is None  # fresh metrics and wandb run
     parts = make_parts(tiny_text_dir)
     assert manager.start(parts) == 0 and manager.source is not None
-    assert_same_tensors(parts.student.state_dict(), trained.teacher.state_dict())
-    assert_same_tensors(parts.teacher.state_dict(), trained.teacher.state_dict())  # the teacher starts there too
+    assert_same_tensors(parts.student.state_dict(), trained.teacher.module.state_dict())
+    assert_same_tensors(parts.teacher.module.state_dict(), trained.teacher.module.state_dict())  # the teacher starts there too
     assert not parts.optimizer.state and parts.stream.state_dict()["positions"] == [0]
 
 

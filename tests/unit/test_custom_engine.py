@@ -26,6 +26,9 @@ def test_engine_import_path_is_checked_at_config_load(tmp_path, tiny_vlm_dir, gr
     ("tests.helpers.recording_engine:NoSuchEngine", "has no attribute 'NoSuchEngine'"),
     ("tests.helpers.recording_engine:json", "is not a class or function"),
     ("collections:OrderedDict", "OrderedDict has no generate, begin_weight_update"),
+    ("tests.helpers.recording_engine:Undeclared", "without `capabilities`: declare its optional abilities"),
+    ("tests.helpers.recording_engine:SleepsWithoutMethod",
+     "SleepsWithoutMethod.capabilities declares release_memory but SleepsWithoutMethod has no such method"),
 ])
 def test_bad_engine_import_path_fails_at_start_naming_the_key(tmp_path, tiny_vlm_dir, grid_data_dir, path, message):
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, f"rollout.engine={path}")

@@ -2,9 +2,11 @@
 
     config <- data <- prompts <- sequences <- scoring <- teacher <- trainer <- train (the recipe)
     loss, device: leaves (tensor math; where the process runs), importable from any layer
+    loss_kinds (the loss objects): config only, imported from scoring up
     models (modeling, tiny_models, convert_smollm2, vl_processor, lora): config and prompts
     rollout: prompts and below, models; evaluation: rollout and prompts
-    dumps: scoring, rollout, evaluation, the checkpoint format, the quiet console; the recipe and CLIs: everything
+    pipeline (prompts -> rollout -> sequences): sequences, rollout and below
+    dumps: pipeline, scoring, teacher, rollout, evaluation, the checkpoint format, the quiet console; the recipe and CLIs: everything
 
 Every `import`, including those inside functions, counts; nothing imports the recipe.
 """
@@ -19,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GROUPS = {  # group: module prefixes
     "config": ["opsd.config"],
     "loss": ["opsd.loss"],
+    "loss_kinds": ["opsd.loss_kinds"],
     "device": ["opsd.device"],
     "data": ["opsd.data"],
     "prompts": ["opsd.prompts"],
@@ -29,6 +32,7 @@ GROUPS = {  # group: module prefixes
     "trainer": ["opsd.trainer"],
     "rollout": ["opsd.rollout"],
     "evaluation": ["opsd.evaluation"],
+    "pipeline": ["opsd.pipeline"],
     "dumps": ["opsd.dumps", "opsd.rollouts"],
     "cli": ["opsd.export", "opsd.check"],
     "recipe": ["opsd.train"],
@@ -41,16 +45,18 @@ MAY_IMPORT = {  # group: the groups (or module prefixes) it may import, besides 
     "device": set(),
     "package": set(),
     "data": {"config"},
+    "loss_kinds": {"config"},
     "prompts": {"config", "data"},
     "sequences": {"config", "data", "prompts"},
     "models": {"config", "data", "prompts"},
-    "scoring": {"config", "data", "prompts", "sequences"},
-    "teacher": {"config", "data", "prompts", "sequences", "scoring", "models"},  # models: LoRA adapter teachers
-    "trainer": {"config", "data", "prompts", "sequences", "scoring", "teacher", "models"},
+    "scoring": {"config", "data", "prompts", "sequences", "loss_kinds"},
+    "teacher": {"config", "data", "prompts", "sequences", "scoring", "loss_kinds", "models"},  # models: LoRA adapter teachers
+    "trainer": {"config", "data", "prompts", "sequences", "scoring", "loss_kinds", "teacher", "models"},
     "rollout": {"config", "data", "prompts", "models"},
     "evaluation": {"config", "data", "prompts", "rollout"},
-    "dumps": {"config", "data", "prompts", "sequences", "scoring", "models", "rollout", "evaluation",
-              "opsd.trainer.checkpoint", "opsd.trainer.console"},
+    "pipeline": {"config", "data", "prompts", "sequences", "models", "rollout"},
+    "dumps": {"config", "data", "prompts", "sequences", "scoring", "loss_kinds", "teacher", "models", "rollout",
+              "evaluation", "pipeline", "opsd.trainer.checkpoint", "opsd.trainer.console"},
     "cli": set(GROUPS) - {"recipe"},
     "recipe": set(GROUPS) - {"recipe"},
 }

@@ -6,7 +6,7 @@ import torch
 from opsd.config import EvalConfig, ModelConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.evaluation import eval_due, evaluate, extract_answer, is_correct, normalise_answer
-from opsd.rollout.engine import Completion, SamplingSettings
+from opsd.rollout.engine import Completion, EngineCapabilities, SamplingSettings
 
 
 @pytest.mark.parametrize(
@@ -50,6 +50,8 @@ def test_eval_schedule():
 class ScriptedEngine:
     """Answers by prompt: a teacher prompt (it holds the reference answer) and question q0 answer right."""
 
+    capabilities = EngineCapabilities()
+
     def __init__(self):
         self.calls = []
 
@@ -72,7 +74,8 @@ def test_evaluate_reports_student_and_teacher_accuracy(tiny_text_dir):
     metrics = evaluate(engine, samples, processor, PromptConfig(privileged=["answer"]), cfg)
     assert metrics["eval/accuracy"] == 0.25 and metrics["eval/teacher_accuracy"] == 1.0
     assert metrics["eval/answered"] == 1.0 and metrics["eval/num_samples"] == 4
-    assert all(s.temperature == 0 and s.max_new_tokens == 7 for s in engine.calls)
+    # The documented call: greedy, one completion per prompt, whatever the rollout samples.
+    assert all(s.temperature == 0 and s.n == 1 and s.top_k == 0 and s.top_p == 1 and s.max_new_tokens == 7 for s in engine.calls)
     assert len(engine.calls) == 1  # student and teacher prompts in one engine call
 
 

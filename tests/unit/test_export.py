@@ -38,7 +38,7 @@ def test_cli_exports_the_newest_student(run, tmp_path, capsys):
 def test_ema_export_takes_the_teacher(run, tmp_path):
     run_dir, parts = run
     export_checkpoint(run_dir / "checkpoint-2", tmp_path / "ema", ema=True)
-    assert_loads_as(tmp_path / "ema", parts.teacher)
+    assert_loads_as(tmp_path / "ema", parts.teacher.module)
 
 
 def test_refuses_non_empty_out_and_corrupt_checkpoints(run, tmp_path, capsys):

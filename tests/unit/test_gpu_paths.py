@@ -10,6 +10,7 @@ from opsd.config import EvalConfig, ModelConfig, PromptConfig, load_config
 from opsd.data.errors import DataConfigError
 from opsd.data.sample import Sample
 from opsd.evaluation import evaluate
+from opsd.rollout import EngineCapabilities
 from opsd.rollout.vllm_engine import VLLMEngine
 
 
@@ -80,7 +81,7 @@ def test_engine_with_adapters_sleeps_at_level_1_and_keeps_its_base_weights(tmp_p
 class GroupEngine:
     """A tensor-parallel engine: every rank of its group must call generate."""
 
-    generate_is_collective = True
+    capabilities = EngineCapabilities(generate_is_collective=True)
 
     def __init__(self):
         self.calls = 0

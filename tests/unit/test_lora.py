@@ -10,7 +10,7 @@ from opsd import lora
 from opsd.config import ConfigError, LoraConfig, TeacherConfig, load_config
 from opsd.sequences import ForwardBatch
 from opsd.scoring import completion_logits
-from opsd.teacher import AdapterTeacher, make_teacher, update_teacher
+from opsd.teacher import AdapterView, EmaAdapterTeacher, make_teacher
 
 
 def text_model(path):
@@ -60,7 +60,7 @@ def test_base_teacher_scores_like_the_initial_model_and_ema_adapter_moves(tiny_t
     data = batch()
     with torch.no_grad():
         want = completion_logits(initial, data)
-        base = completion_logits(make_teacher(TeacherConfig(mode="base"), student), data)
+        base = completion_logits(make_teacher(TeacherConfig(mode="base"), student).scorer, data)
         with_adapter = completion_logits(student, data)
     assert torch.equal(base, want)  # the adapter switched off is exactly the initial model
     assert (with_adapter - want).abs().max() > 1e-3
@@ -68,16 +68,17 @@ def test_base_teacher_scores_like_the_initial_model_and_ema_adapter_moves(tiny_t
 
     cfg = TeacherConfig(mode="ema", ema_decay=0.5)
     teacher = make_teacher(cfg, student)
-    assert isinstance(teacher, AdapterTeacher) and teacher.student is student
+    assert isinstance(teacher, EmaAdapterTeacher) and teacher.module is None
+    assert isinstance(teacher.scorer, AdapterView) and teacher.scorer.student is student
     ema = lora.adapter_parameters(student, lora.EMA_ADAPTER)
     before = {n: p.clone() for n, p in ema.items()}
-    update_teacher(cfg, teacher, student)
+    teacher.update(student)
     target = lora.adapter_parameters(student)
     for name, param in ema.items():
         assert torch.allclose(param, 0.5 * before[name] + 0.5 * target[name])
         assert not param.requires_grad
     with torch.no_grad():
-        ema_logits = completion_logits(teacher, data)
+        ema_logits = completion_logits(teacher.scorer, data)
     assert (ema_logits - with_adapter).abs().max() > 1e-4 and (ema_logits - want).abs().max() > 1e-4
 
 
@@ -147,9 +148,12 @@ def test_dumps_point_lora_checkpoints_to_export_merge(tmp_path, tiny_text_dir):
 
 
 def test_engines_without_receive_adapter_are_refused_for_adapter_sync():
+    from opsd.rollout import EngineCapabilities
     from opsd.rollout.weight_sync import check_adapter_receiver
 
     class FullWeightsOnly:
+        capabilities = EngineCapabilities()
+
         def begin_weight_update(self): ...
 
     with pytest.raises(ConfigError, match="FullWeightsOnly has no receive_adapter.*lora_sync=merged"):

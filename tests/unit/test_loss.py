@@ -194,7 +194,7 @@ def test_bf16_grad_has_input_dtype():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_tinker_values_and_grad(monkeypatch, temperature):
-    monkeypatch.setattr(opsd.loss, "_TINKER_CHUNK_ROWS", 3)  # exercise chunking on a small N
+    monkeypatch.setattr(opsd.loss, "LOGPROB_CHUNK_ROWS", 3)  # exercise chunking on a small N
     s = logits(7, 20, 23).requires_grad_()
     t = logits(7, 20, 24).requires_grad_()
     ids = torch.randint(0, 20, (7,), generator=torch.Generator().manual_seed(1))
@@ -315,7 +315,9 @@ def test_guardrail_sums_without_top_k_or_clip_and_added_up():
     s, t = logits(5, 30, 33), logits(5, 30, 34)
     sums = guardrail_sums(s, t, top_k=0, token_clip=0.0)
     assert sums.teacher_topk_mass == 5 and sums.clip_candidates == 0 and sums.metrics()["clip_fraction"] == 0
-    assert guardrail_sums(s, t, kind="tinker", top_k=30, token_clip=0.05).clip_candidates == 0  # tinker: no clip
+    student_only = guardrail_sums(s, None, top_k=4, token_clip=0.05)  # no teacher: the student's entropy alone
+    assert student_only.clip_candidates == 0 and student_only.teacher_topk_mass == 5
+    assert student_only.student_entropy == pytest.approx(guardrail_sums(s, t).student_entropy)
     total = GuardrailSums()
     total.add(guardrail_sums(s[:2], t[:2], top_k=4, token_clip=0.05))
     total.add(guardrail_sums(s[2:], t[2:], top_k=4, token_clip=0.05))

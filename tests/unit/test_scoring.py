@@ -6,13 +6,12 @@ import dataclasses
 import pytest
 import torch
 
-from opsd.config import LossConfig
+from opsd.config import JsdLossConfig, TinkerLossConfig
 from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
+from opsd.loss_kinds import build_loss, weighted_loss
 from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from opsd.scoring import (
-    UnsupportedModelError, check_scoring_matches_forward, completion_logits, score_micro_batch, weighted_loss,
-)
+from opsd.scoring import Scoring, UnsupportedModelError, check_scoring_matches_forward, completion_logits
 from opsd.sequences import EncodedPrompt, collate
 from tests.helpers.examples import text_examples, text_model
 
@@ -20,6 +19,10 @@ from tests.helpers.examples import text_examples, text_model
 @pytest.fixture(scope="module")
 def model_and_processor(tiny_text_dir):
     return text_model(tiny_text_dir)
+
+
+def scoring(cfg, processor, **settings) -> Scoring:
+    return Scoring(build_loss(cfg), pad_id=processor.pad_token_id, **settings)
 
 
 def test_completion_logits_are_the_full_forward_at_the_completion_positions(model_and_processor):
@@ -42,14 +45,14 @@ def test_sharing_a_prompt_forward_gives_the_same_scores_and_gradients(model_and_
     # Two samples of each prompt: the examples share their prompt objects, as build_examples pairs them.
     examples = [dataclasses.replace(base[i], completion_ids=base[j].completion_ids, engine_logprobs=base[j].engine_logprobs)
                 for i, j in ((0, 0), (0, 1), (2, 2), (2, 3))]
-    cfg = LossConfig(top_k=16, ce_weight=0.5)
+    cfg = JsdLossConfig(top_k=16, ce_weight=0.5)
     results = []
     try:
         for share in (False, True):
             model.zero_grad()
-            scored = score_micro_batch(model, model, examples, loss_cfg=cfg, dtype="float32",
-                                       pad_id=processor.pad_token_id, packed_row_tokens=1024 if share else None)
-            scored.token_losses(cfg).sum().backward()
+            score = scoring(cfg, processor, packed_row_tokens=1024 if share else None)
+            scored = score.micro_batch(model, model, examples)
+            scored.token_losses(score.loss).sum().backward()
             results.append((scored, [p.grad.clone() for p in model.parameters()]))
     finally:
         model.config._attn_implementation = "sdpa"
@@ -65,9 +68,9 @@ def test_sharing_a_prompt_forward_gives_the_same_scores_and_gradients(model_and_
 def test_a_micro_batch_scores_both_roles_on_the_same_tokens(model_and_processor):
     model, processor = model_and_processor
     examples = text_examples(processor, [4, 2, 6])
-    cfg = LossConfig(top_k=16)
+    cfg = JsdLossConfig(top_k=16)
     with torch.no_grad():
-        scored = score_micro_batch(model, model, examples, loss_cfg=cfg, dtype="float32", pad_id=processor.pad_token_id)
+        scored = scoring(cfg, processor).micro_batch(model, model, examples)
         teacher_batch = collate([e.teacher for e in examples], [e.completion_ids for e in examples], processor.pad_token_id)
         teacher_logits = completion_logits(model, teacher_batch)
     assert scored.sampled_ids.tolist() == [t for e in examples for t in e.completion_ids]
@@ -85,26 +88,26 @@ def test_same_prompt_same_weights_gives_a_zero_distillation_term(model_and_proce
     for e in examples:
         e.teacher = e.student
     with torch.no_grad():
-        scored = score_micro_batch(model, model, examples, loss_cfg=LossConfig(), dtype="float32", pad_id=processor.pad_token_id)
+        scored = scoring(JsdLossConfig(), processor).micro_batch(model, model, examples)
     assert scored.distill.abs().max() < 1e-6
 
 
 def test_tinker_kind_uses_the_sampler_logprobs(model_and_processor):
     model, processor = model_and_processor
     examples = text_examples(processor, [3])
-    cfg = LossConfig(kind="tinker")
     with torch.no_grad():
-        scored = score_micro_batch(model, model, examples, loss_cfg=cfg, dtype="float32", pad_id=processor.pad_token_id)
+        scored = scoring(TinkerLossConfig(), processor).micro_batch(model, model, examples)
     expected = tinker_loss(scored.student_logits, scored.teacher_logits, scored.sampled_ids,
                            sampler_logprobs=scored.engine_logprobs)
     torch.testing.assert_close(scored.distill, expected)
 
 
 def test_the_loss_weighs_its_two_parts():
-    cfg = LossConfig(jsd_weight=0.5, ce_weight=2.0)
-    assert weighted_loss(3.0, 1.0, cfg) == 3.5
+    loss = build_loss(JsdLossConfig(jsd_weight=0.5, ce_weight=2.0))
+    assert weighted_loss(loss, 3.0, 1.0) == 3.5
     distill, ce = torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25])
-    torch.testing.assert_close(weighted_loss(distill, ce, cfg), torch.tensor([1.5, 1.5]))
+    torch.testing.assert_close(weighted_loss(loss, distill, ce), torch.tensor([1.5, 1.5]))
+    assert weighted_loss(build_loss(TinkerLossConfig(tinker_weight=0.5, ce_weight=2.0)), 3.0, 1.0) == 3.5
 
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

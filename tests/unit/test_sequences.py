@@ -2,13 +2,13 @@
 
 import pytest
 
-from opsd.config import PromptConfig
+from opsd.config import PromptConfig, config_from_dict
 from opsd.data.errors import BadSample
 from opsd.data.sample import Sample
 from opsd.prompts import student_prompt, teacher_prompt
 from opsd.rollout.engine import Completion
 from opsd.sequences import (
-    EncodedPrompt, build_examples, build_sample_examples, collate, completion_budget, encode_prompt,
+    EncodedPrompt, build_examples, collate, completion_budget, encode_prompt,
     padding_example, prompt_length_check,
 )
 from tests.helpers.examples import text_model
@@ -75,15 +75,22 @@ def test_completions_are_cut_to_the_longer_prompt_and_dropped_when_nothing_fits(
 
 
 def test_the_teacher_sequence_ends_with_the_student_completion_ids(processor):
-    cfg = PromptConfig(privileged=["text"])
+    from opsd.pipeline import Rollout, rollout_examples
+
+    run_cfg = config_from_dict({"model": {"path": "m"}, "data": {"path": "d"}, "prompts": {"privileged": ["text"]}})
+    cfg = run_cfg.prompts
     samples = [sample(0), sample(1)]
     prompts = [student_prompt(s, processor, cfg) for s in samples]
     completions = [Completion(1, [11, 12], [-0.5, -0.5]), Completion(0, [13], [-0.1])]
-    examples, _ = build_sample_examples(processor, cfg, samples, prompts, completions, 1024)
+    rollout = Rollout(samples, prompts, completions)
+    examples, _ = rollout_examples(rollout, processor, run_cfg)
     assert [e.sample_id for e in examples] == ["s1", "s0"]
     for e, s in zip(examples, [samples[1], samples[0]]):
         assert e.teacher.input_ids == encode_prompt(processor, teacher_prompt(s, processor, cfg)).input_ids
         assert len(e.teacher.input_ids) > len(e.student.input_ids)  # the worked solution
+    # Without the privileged prompt (`--check`'s first check) the teacher sequence is the student's.
+    same, _ = rollout_examples(rollout, processor, run_cfg, privileged=False)
+    assert all(e.teacher is e.student for e in same)
 
 
 def test_prompt_length_check_measures_the_teacher_prompt(processor):

@@ -10,16 +10,27 @@ from opsd.data.sample import Sample
 
 
 def test_sft_needs_cross_entropy_and_privileged_text():
-    with pytest.raises(ConfigError, match="ce_weight"):
-        load_config("configs/learn_facts_smollm2.yaml", ["loss.kind=sft"])
+    with pytest.raises(ConfigError, match=r"loss\.ce_weight: Input should be greater than 0"):
+        load_config("configs/learn_facts_smollm2.yaml", ["loss={kind: sft, ce_weight: 0}"])
     with pytest.raises(ConfigError, match="prompts.privileged"):
-        load_config("configs/learn_facts_smollm2.yaml", ["loss.kind=sft", "loss.ce_weight=1", "prompts.privileged=[]"])
-    assert load_config("configs/learn_facts_smollm2.yaml", ["loss.kind=sft", "loss.ce_weight=1"]).loss.kind == "sft"
+        load_config("configs/learn_facts_smollm2.yaml", ["loss={kind: sft}", "prompts.privileged=[]"])
+    cfg = load_config("configs/learn_facts_smollm2.yaml", ["loss={kind: sft}"])
+    assert cfg.loss.kind == "sft" and cfg.loss.ce_weight == 1  # the whole loss, weighted 1 unless set
+
+
+def test_switching_the_kind_alone_names_the_other_kinds_settings():
+    """The file's jsd settings do not silently vanish under `loss.kind=sft`: the message says which
+    keys belong to jsd and how to replace the section."""
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/learn_facts_smollm2.yaml", ["loss.kind=sft"])
+    message = str(info.value)
+    assert "loss.beta: a setting of loss.kind=jsd, not of sft" in message and "loss.top_k:" in message
+    assert "'loss={kind: sft}'" in message
 
 
 def test_reference_completions_are_the_privileged_texts(tiny_text_dir):
     from opsd.modeling import load_processor
-    from opsd.train import reference_completions
+    from opsd.pipeline import reference_completions
 
     tokenizer = load_processor(ModelConfig(path=str(tiny_text_dir)))
     samples = [Sample(id=str(i), question="q", images=[], privileged_images=[], privileged_text=f"fact {i}") for i in range(2)]

@@ -5,9 +5,10 @@ import copy
 import pytest
 import torch
 
-from opsd.config import LossConfig
-from opsd.scoring import DISTILL_METRIC
-from opsd.trainer.step import micro_batches, train_step
+from opsd.config import JsdLossConfig, TinkerLossConfig
+from opsd.loss_kinds import build_loss
+from opsd.scoring import Scoring
+from opsd.trainer.step import TrainStep, micro_batches
 from opsd.trainer.distributed import Ranks
 from tests.helpers.examples import text_examples, text_model
 
@@ -20,12 +21,12 @@ def model_and_processor(tiny_text_dir):
 def one_step(model, processor, examples, micro_batch_size, loss_cfg):
     student = copy.deepcopy(model)
     optimizer = torch.optim.SGD(student.parameters(), lr=1.0)  # the update is the gradient itself
-    metrics = train_step(student, student, examples, optimizer, loss_cfg=loss_cfg, micro_batch_size=micro_batch_size,
-                         max_grad_norm=0.0, dtype="float32", pad_id=processor.pad_token_id)
+    scoring = Scoring(build_loss(loss_cfg), pad_id=processor.pad_token_id, micro_batch_size=micro_batch_size)
+    metrics = TrainStep(student, student, optimizer, scoring, max_grad_norm=0.0)(examples)
     return student, metrics
 
 
-@pytest.mark.parametrize("loss_cfg", [LossConfig(top_k=16, ce_weight=0.3), LossConfig(kind="tinker")], ids=["jsd+ce", "tinker"])
+@pytest.mark.parametrize("loss_cfg", [JsdLossConfig(top_k=16, ce_weight=0.3), TinkerLossConfig()], ids=["jsd+ce", "tinker"])
 def test_micro_batch_size_leaves_the_update_unchanged(model_and_processor, loss_cfg):
     model, processor = model_and_processor
     examples = text_examples(processor, [2, 7, 3, 5, 1], seed=3)  # uneven lengths: per-batch means would differ
@@ -34,8 +35,8 @@ def test_micro_batch_size_leaves_the_update_unchanged(model_and_processor, loss_
         split, metrics = one_step(model, processor, examples, size, loss_cfg)
         for (name, a), b in zip(whole.named_parameters(), split.parameters()):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
-        for key in ("loss", DISTILL_METRIC[loss_cfg.kind], "ce", "grad_norm", "completion_tokens", "logprob_mismatch_mean",
-                    "teacher_topk_mass", "clip_fraction", "student_entropy"):
+        loss = build_loss(loss_cfg)
+        for key in ("loss", loss.metric, "ce", "grad_norm", "completion_tokens", "logprob_mismatch_mean", *loss.guardrail_names):
             assert metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-7), key
     moved = max((a - b).abs().max().item() for a, b in zip(whole.parameters(), model.parameters()))
     assert moved > 1e-4  # the step did change the weights
@@ -44,7 +45,7 @@ def test_micro_batch_size_leaves_the_update_unchanged(model_and_processor, loss_
 def test_metrics_are_token_means_over_the_step(model_and_processor):
     model, processor = model_and_processor
     examples = text_examples(processor, [4, 2])
-    cfg = LossConfig(top_k=16, jsd_weight=1.0, ce_weight=0.5)
+    cfg = JsdLossConfig(top_k=16, jsd_weight=1.0, ce_weight=0.5)
     _, metrics = one_step(model, processor, examples, 1, cfg)
     assert metrics["completion_tokens"] == 6 and metrics["completion_len"] == 3
     assert metrics["loss"] == pytest.approx(metrics["jsd"] + 0.5 * metrics["ce"])

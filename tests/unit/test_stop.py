@@ -60,7 +60,7 @@ def stopped_run(tmp_path, *, step, last_saved_step, save_on_signal=True):
 
     cfg = config_from_dict({"model": {"path": "m"}, "data": {"path": "d"},
                             "checkpoint": {"save_on_signal": save_on_signal}})
-    run = SimpleNamespace(cfg=cfg, step=step, last_record={}, output_dir=tmp_path,
+    run = SimpleNamespace(cfg=cfg, last_step=step, last_record={}, output_dir=tmp_path,
                           checkpoints=FakeCheckpoints(last_saved_step))
     stopped = stop_run(run, signal.SIGTERM, StopRequest(signum=signal.SIGTERM, at=time.monotonic()))
     return run.checkpoints.saved, stopped
