@@ -15,12 +15,15 @@ import torch
 from safetensors.torch import load_file
 from tests.helpers.logprobs import TOLERANCE, engine_logprobs, sample_grid_eval_prompts, trainer_logprobs
 from tests.helpers import signals
+from tests.helpers.datafiles import write_text_jsonl
+from tests.helpers.parts import make_parts
 from tests.helpers.runs import assert_same_steps, train_until_crash
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import opsd.train
 from opsd.config import load_config
-from opsd.trainer.checkpoint import list_checkpoints, read_trainer_state
+from opsd.trainer import checkpoint as ckpt
+from opsd.trainer.checkpoint import list_checkpoints, load_checkpoint, read_trainer_state
 from opsd.trainer.stop import EXIT_STOPPED
 
 REPO = Path(__file__).parents[2]
@@ -144,6 +147,26 @@ def test_rotation_keeps_the_best_checkpoint(tmp_path, tiny_vlm_dir, grid_data_di
     assert [c.step for c in list_checkpoints(output_dir)] == [2, 4]
     best = read_trainer_state(output_dir / "checkpoint-4")["best"]
     assert best == {"metric": "lr", "value": lrs[2], "step": 2, "checkpoint": "checkpoint-2"}
+
+
+def test_a_run_whose_disk_fills_ends_with_one_error_line_and_the_last_checkpoint_loads(small_disk, tmp_path, tiny_text_dir,
+                                                                                       monkeypatch, capfd):
+    """The tiny text model saves every step onto a 20 MB file system: checkpoint-1 (12 MB) fits, checkpoint-2
+    does not. With the early free-space check out of the way, the writers themselves meet the full disk."""
+    output_dir, _ = small_disk
+    data = write_text_jsonl(tmp_path / "train.jsonl", n_good=8, defects=[])
+    monkeypatch.setattr(ckpt, "checkpoint_bytes", lambda path: 0)  # the early check would stop before writing
+    args = ["--config", str(REPO / "configs/demo.yaml"), f"model.path={tiny_text_dir}", "data.path=null", "data.synthetic=null",
+            f"data.datasets=[{{path: {data}, schema: text}}]", "prompts.privileged=[text]", "rollout.engine=hf",
+            "rollout.max_new_tokens=4", "eval.every=0", f"logging.output_dir={output_dir}", "logging.progress_bar=false",
+            "rollout.samples_per_prompt=1", "train.grad_accum_steps=1", "train.max_steps=2", "checkpoint.save_every=1",
+            "checkpoint.resume_from=null"]
+    assert opsd.train.main(args) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"error: saving checkpoint-2 to {output_dir} failed: No space left on device"), err
+    assert "; the last complete checkpoint is checkpoint-1. " in err[0]
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-1"]  # no checkpoint-2.tmp
+    load_checkpoint(output_dir / "checkpoint-1", make_parts(tiny_text_dir))  # verified file by file, then loaded
 
 
 def test_cli_reports_checkpoint_errors(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):

@@ -1,14 +1,11 @@
 """What a run's checkpoints do when things go wrong: a save onto a full disk, a save that did not
 finish, a corrupt newest checkpoint, more than one rank talking."""
 
-import errno
 import re
 import shutil
-import subprocess
 import uuid
 
 import pytest
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 from opsd.trainer import checkpoint as ckpt
 from opsd.trainer.checkpoint import (
@@ -20,39 +17,6 @@ from opsd.trainer.checkpoint import (
 )
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from tests.helpers.parts import assert_same_tensors, make_parts, run_config, take_steps
-
-SMALL_FS_MB = 20
-"""A tiny text model's checkpoint takes 12.4 MB: one fits, a second does not."""
-
-
-@pytest.fixture
-def small_disk(tmp_path, monkeypatch):
-    """A directory on a 20 MB file system: a tmpfs when this process may mount one (root), else a
-    directory whose writes fail with ENOSPC once 20 MB are written (DCP's and the files' writers patched)."""
-    where = tmp_path / "small"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS_MB}m", "tmpfs", str(where)],
-                             capture_output=True).returncode == 0
-    if not mounted:
-        simulate_full_disk(where, SMALL_FS_MB * 1_000_000, monkeypatch)
-    yield where, mounted
-    if mounted:
-        subprocess.run(["umount", str(where)], check=True)
-
-
-def simulate_full_disk(where, capacity, monkeypatch):
-    """Without a tmpfs: writes of the training state (DCP) fail with ENOSPC once `capacity` bytes are
-    used under `where`, and the free space reads what is left."""
-    used = lambda: sum(f.stat().st_size for f in where.rglob("*") if f.is_file())  # noqa: E731
-    real_write = dcp_filesystem._write_item
-
-    def write_item(*args, **kwargs):
-        if used() > capacity - 4_000_000:
-            raise OSError(errno.ENOSPC, "No space left on device", str(where / "train_state" / "__0_0.distcp"))
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
-    monkeypatch.setattr(ckpt, "free_mb", lambda path: max(0, capacity - used()) / 1e6)
 
 
 def saved_parts(tiny_text_dir, steps=1):
