@@ -49,6 +49,9 @@ class VLLMOptions:
     max_lora_rank: int | None = None
     """Serve LoRA adapters up to this rank, one at a time (each weight sync brings a new one and
     retires the last); None: no LoRA."""
+    frozen_vision: bool = False
+    """`model.freeze_vision`: weight updates after the first leave the vision tower as it was, so the
+    engine keeps its image encodings (opsd's own, no vLLM argument)."""
 
     @classmethod
     def from_config(cls, cfg, model_path) -> "VLLMOptions":
@@ -61,6 +64,7 @@ class VLLMOptions:
             tensor_parallel_size=r.tensor_parallel_size, sleep_mode=r.sleep_mode,
             trust_remote_code=cfg.model.trust_remote_code,
             max_lora_rank=cfg.model.lora.rank if cfg.model.lora and r.lora_sync == "adapter" else None,
+            frozen_vision=cfg.model.freeze_vision,
         )
 
 
