@@ -19,7 +19,7 @@ forward with the top-k of its log-softmax, and the colocated engine's `prompt_lo
 position, `max_logprobs` raised), for k = 20 and the recipe's top-k: seconds and the largest
 difference of the top-k logprobs.
 
-    .venv/bin/python bench/step_profile.py                           # every setting (~10 min idle)
+    .venv/bin/python bench/step_profile.py                           # every setting, 2 steps each after 1 warm-up
     .venv/bin/python bench/step_profile.py --settings smollm2-float32-4 --steps 3
     .venv/bin/python bench/step_profile.py --config configs/learn_facts_smollm2.yaml --steps 2 [key=value ...]
 
@@ -162,7 +162,8 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
             sync_student(run.student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
         if index >= warmup:
             rows.append(row)
-        print(f"step {step}: stage {row['time_train_s']:.2f} s, floor {row['floor']['wall_s']:.2f} s, rollout "
+        parts = " ".join(f"{name} {seconds:.2f}" for name, seconds in row["parts"].items())
+        print(f"step {step}: stage {row['time_train_s']:.2f} s ({parts}), floor {row['floor']['wall_s']:.2f} s, rollout "
               f"{row['rollout']['wall_s']:.2f} s, direct vLLM {row['direct_vllm']['wall_s']:.2f} s", file=sys.stderr, flush=True)
     end_run(run)
     return summarise(rows, startup_s, threads)
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="*", choices=[*SETTINGS, ENGINE_LOGPROBS], default=[*SETTINGS, ENGINE_LOGPROBS])
     parser.add_argument("--config", help="profile this config alone (with the overrides) instead of the settings")
-    parser.add_argument("--steps", type=int, default=3, help="measured steps per setting (engine logprobs: repeats)")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per setting (engine logprobs: repeats)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")

@@ -214,7 +214,9 @@ def tinker_loss(
             f"sampled_ids must be an integer tensor of shape ({n},), "
             f"got {sampled_ids.dtype} {tuple(sampled_ids.shape)}"
         )
-    if n and not 0 <= int(sampled_ids.min()) <= int(sampled_ids.max()) < student_logits.shape[-1]:
+    # Checked on the CPU only: elsewhere the check would be a device sync per call, and the gather
+    # below fails on an id out of range anyway.
+    if n and sampled_ids.device.type == "cpu" and ((sampled_ids < 0) | (sampled_ids >= student_logits.shape[-1])).any():
         raise ValueError("sampled_ids must lie in [0, V)")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
