@@ -4,7 +4,8 @@ Every setting runs in a child process of its own (one model in memory at a time)
 is started as `opsd.train` starts it, then each step, on the same data,
 - rollout: `opsd.pipeline.sample_rollout` of the step's samples (what `time_rollout_s` times, less
   taking the samples from the data stream) and vLLM's own `LLM.generate` of the same token ids with
-  the same `SamplingParams`, called directly; prefix cache reset before each;
+  the same `SamplingParams`, called directly; the engine's caches (prefix, encoder, multimodal
+  inputs) reset before each, so that neither reuses the other's work;
 - training stage: `opsd.train.training_stage`, the function `train()` runs, timed by the same
   `StageTimer` (its `record()` is what metrics.jsonl gets: `time_train_s` and the parts
   `time_train/<part>_s`), and its floor on the same examples: for each micro-batch, a bare teacher
@@ -111,6 +112,7 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
     from opsd.prompts import student_prompt
     from opsd.rollout import sampling_settings
     from opsd.rollout.vllm_args import sampling_params
+    from opsd.rollout.vllm_reload import reset_caches
     from opsd.rollout.weight_sync import sync_student
     from opsd.train import build_sequences, end_run, start_run, training_stage
     from opsd.trainer.metrics import StageTimer
@@ -129,12 +131,12 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
         params = [SamplingParams(**sampling_params(settings, i), skip_special_tokens=True) for i in range(len(requests))]
 
         def ours():
-            engine.llm.reset_prefix_cache()
+            reset_caches(engine.llm)
             with timed(row, "rollout"):
                 row["completions"] = sample_rollout(engine, samples, run.processor, cfg, step)
 
         def direct():
-            engine.llm.reset_prefix_cache()
+            reset_caches(engine.llm)
             with timed(row, "direct_vllm"):
                 engine.llm.generate(requests, params, use_tqdm=False)
 
@@ -283,8 +285,10 @@ def run_child(name: str, args) -> dict:
     done = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         return {"name": name, "error": f"exit {done.returncode} (its stderr is above)"}
-    return {"name": name, **json.loads(done.stdout.strip().splitlines()[-1]),
-            "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    result = {"name": name, **json.loads(done.stdout.strip().splitlines()[-1]),
+              "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    print(f"{name}: {json.dumps(result)}", file=sys.stderr, flush=True)  # each setting's result as it comes
+    return result
 
 
 def child(name: str, args) -> dict:

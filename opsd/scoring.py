@@ -9,7 +9,7 @@ logprob of each sampled token and the guardrail sums, each full-vocabulary pass 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator
 
 import torch
@@ -122,7 +122,7 @@ class ScoredBatch:
     teacher_logits: torch.Tensor  # [N, V], no grad (the student's, detached, for a loss without teacher)
     distill: torch.Tensor  # [N] per-token distillation term of the loss
     student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
-    guardrails: GuardrailSums
+    guardrails: GuardrailSums = field(default_factory=GuardrailSums)
     """Sums behind the guardrail metrics (teacher top-k mass, clip share, student entropy), 0-d tensors."""
 
     def token_losses(self, loss: Loss) -> torch.Tensor:
