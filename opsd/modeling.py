@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
-from opsd.config import ModelConfig
+from opsd.config import ConfigError, ModelConfig
 from opsd.prompts import is_multimodal, tokenizer_of
 from opsd.vl_processor import load_image_only_processor
 
@@ -20,7 +20,9 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
 
         build = {
             "tiny-vlm": tiny_models.build_tiny_vlm,
+            "tiny-paddleocr-vl": tiny_models.build_tiny_paddleocr_vl,
             "tiny-qwen2.5-vl": tiny_models.build_tiny_qwen25_vl,
+            "tiny-qwen3-vl": tiny_models.build_tiny_qwen3_vl,
             "tiny-text": tiny_models.build_tiny_text_model,
             "smollm2": convert_smollm2.convert,
         }[cfg.build]
@@ -57,9 +59,40 @@ def _options(cfg: ModelConfig) -> dict:
 
 
 def load_model(cfg: ModelConfig, processor, device: torch.device) -> torch.nn.Module:
-    """Master weights in float32; bfloat16 runs use autocast on top."""
+    """Master weights in float32; bfloat16 runs use autocast on top. The vision tower is frozen when
+    `model.freeze_vision` asks."""
     model = model_class(is_multimodal(processor)).from_pretrained(cfg.path, **_options(cfg))
+    if cfg.freeze_vision:
+        freeze_vision(model)
     return model.to(device)
+
+
+def decoder_prefix(model: torch.nn.Module) -> str:
+    """The module name of the language model (`model.language_model`, `model.text_model`, ...)."""
+    decoder = model.get_decoder()
+    return next(name for name, module in model.named_modules() if module is decoder)
+
+
+def vision_parameter_names(model: torch.nn.Module) -> list[str]:
+    """The vision tower's and the connector's parameters: every one outside the language model and
+    the LM head (Idefics3's `model.vision_model` and `model.connector`, Qwen-VL's `model.visual` with
+    its mergers, PaddleOCR-VL's `model.visual` and `model.projector`); none for a text model."""
+    if getattr(model.config, "vision_config", None) is None:
+        return []
+    decoder = decoder_prefix(model) + "."
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    return [name for name, p in model.named_parameters() if not name.startswith(decoder) and id(p) not in head]
+
+
+def freeze_vision(model: torch.nn.Module) -> list[str]:
+    """`model.freeze_vision`: no gradients for the vision tower and connector; their names."""
+    names = vision_parameter_names(model)
+    if not names:
+        raise ConfigError(f"model.freeze_vision: {type(model).__name__} has no vision tower to freeze")
+    params = dict(model.named_parameters())
+    for name in names:
+        params[name].requires_grad_(False)
+    return names
 
 
 def empty_model(cfg: ModelConfig, processor) -> torch.nn.Module:
@@ -75,6 +108,8 @@ def empty_model(cfg: ModelConfig, processor) -> torch.nn.Module:
         model = model_class(is_multimodal(processor)).from_config(config, **_options(cfg))
     if (Path(cfg.path) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(cfg.path)
+    if cfg.freeze_vision:
+        freeze_vision(model)
     return model
 
 

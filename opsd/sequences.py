@@ -21,7 +21,7 @@ class EncodedPrompt:
     """Fully expanded ids, as the model sees them (image placeholders expanded)."""
     vision: dict[str, torch.Tensor] = field(default_factory=dict)
     """Processor outputs about the images (pixel values, masks, `image_grid_thw`), batch dimension 1
-    for per-image tensors, none for flat patch tensors."""
+    for per-image tensors, none for flat patch tensors (see `flat_patches`)."""
     per_token: dict[str, torch.Tensor] = field(default_factory=dict)
     """Other processor outputs with one value per id (Qwen-VL's `mm_token_type_ids`), 1-D."""
 
@@ -49,13 +49,21 @@ def noise_last_images(processor, pixel_values: torch.Tensor, prompt: Prompt) -> 
     those images alone says.
     """
     noised = prompt.images[len(prompt.images) - prompt.noise_last_images :]
-    alone = processor.image_processor(images=[noised], return_tensors="pt")["pixel_values"]
-    dim = 1 if pixel_values.dim() >= 4 else 0  # Idefics-style [1, n, C, H, W]; flat Qwen-VL patches
+    out = processor.image_processor(images=[noised], return_tensors="pt")
+    alone = out["pixel_values"]
+    dim = 0 if flat_patches(out) else 1  # flat Qwen-VL patches; Idefics-style [1, n, C, H, W]
     count = alone.shape[dim]
     out = pixel_values.clone()
     target = out.narrow(dim, out.shape[dim] - count, count)
     target.copy_(torch.randn(target.shape, dtype=target.dtype))
     return out
+
+
+def flat_patches(vision) -> bool:
+    """Whether the images are flat patch tensors of all images one after the other (Qwen-VL,
+    PaddleOCR-VL: `[patches, ...]` beside `image_grid_thw`), concatenated along dim 0 in a batch,
+    rather than per-sequence tensors with a batch dimension (Idefics3: `[1, images, C, H, W]`)."""
+    return "image_grid_thw" in vision
 
 
 @dataclass
@@ -114,14 +122,14 @@ def collate(
     with_images = [p.vision for p in prompts if p.vision]
     if with_images:
         for key, first in with_images[0].items():
-            if first.dim() >= 4:
+            if flat_patches(with_images[0]):
+                # Flat patch tensors (Qwen-VL style) concatenate along dim 0; text rows add none.
+                inputs[key] = torch.cat([v[key] for v in with_images])
+            else:
                 # Idefics-style [1, n_images, C, H, W] is padded per image with all-zero images,
                 # which the model skips; a text-only row (a dataset mixture) holds only padding.
                 empty = first.new_zeros((1, 0, *first.shape[2:]))
                 inputs[key] = _pad_images([p.vision.get(key, empty) for p in prompts])
-            else:
-                # Flat patch tensors (Qwen-VL style) concatenate along dim 0; text rows add none.
-                inputs[key] = torch.cat([v[key] for v in with_images])
     return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
 
 

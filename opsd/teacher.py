@@ -54,6 +54,9 @@ class TeacherMemory:
     """How a copy is split over ranks, e.g. `/ 2 ranks` or `(unsharded)`."""
     offloaded: bool
     """A frozen copy's shards live in host memory (`distributed.cpu_offload_teacher` under torchrun)."""
+    shared: str = ""
+    """What a copy shares with the student instead of copying (a frozen vision tower in one process,
+    left out of `copy_bytes`); empty: nothing."""
 
 
 class Teacher(Protocol):
@@ -112,14 +115,17 @@ class AdapterView:
 
 
 def frozen_copy(student: nn.Module) -> nn.Module:
-    """A copy of the student that does not train (one process)."""
-    return copy.deepcopy(student).eval().requires_grad_(False)
+    """A copy of the student that does not train (one process). A frozen part of a full-weight
+    student (`model.freeze_vision`) is the same in both and is shared, not copied: deepcopy takes the
+    memo's parameters as they are."""
+    frozen = {} if lora.is_lora(student) else {id(p): p for p in student.parameters() if not p.requires_grad}
+    return copy.deepcopy(student, memo=frozen).eval().requires_grad_(False)
 
 
 def _copy_row(memory: TeacherMemory) -> tuple[float, str]:
     if memory.offloaded:
         return 0.0, "shards offloaded to host memory"
-    return memory.copy_bytes, f"float32 {memory.per}"
+    return memory.copy_bytes, f"float32 {memory.per}" + (f", {memory.shared} shared with the student" if memory.shared else "")
 
 
 class SelfTeacher:
@@ -191,9 +197,11 @@ class EmaTeacher(FixedTeacher):
     @torch.no_grad()
     def update(self, student):
         # Sharded (FSDP) models are updated shard by shard: both are sharded alike, so local shards
-        # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU.
-        teacher_params = [local_tensor(p) for p in self.module.parameters()]
-        student_params = [local_tensor(p.detach()).to(t.device) for p, t in zip(student.parameters(), teacher_params)]
+        # correspond; a CPU-offloaded teacher's shards take the student's over to the CPU. A frozen
+        # student weight (`model.freeze_vision`) is its own EMA: shared, or an unchanged copy when sharded.
+        pairs = [(t, s) for t, s in zip(self.module.parameters(), student.parameters(), strict=True) if s.requires_grad]
+        teacher_params = [local_tensor(t) for t, _ in pairs]
+        student_params = [local_tensor(s.detach()).to(t.device) for (_, s), t in zip(pairs, teacher_params)]
         torch._foreach_lerp_(teacher_params, student_params, 1.0 - self.decay)
 
     def model_dir(self, student):

@@ -1,10 +1,12 @@
 """Tiny random models for tests and CPU demos, built locally in about a second.
 
-`build_tiny_vlm` writes an Idefics3 (SmolVLM architecture) directory, `build_tiny_qwen25_vl` a
-Qwen2.5-VL one (3-D "mrope" positions; transformers only, vLLM's Qwen-VL needs torchvision) and
-`build_tiny_text_model` a Qwen2 one. All three are ordinary Hugging Face directories (safetensors,
-config, generation config, tokenizer with a ChatML chat template; processor config for the VLMs)
-that load in transformers and, the Qwen2.5-VL one excepted, in vLLM. Nothing is downloaded: the byte-level BPE tokenizer is trained here on a small built-in
+`build_tiny_vlm` writes an Idefics3 (SmolVLM architecture) directory, `build_tiny_paddleocr_vl` a
+PaddleOCR-VL one (NaViT vision tower, 3-D "mrope" positions; served by vLLM on CPU too),
+`build_tiny_qwen25_vl` a Qwen2.5-VL one and `build_tiny_qwen3_vl` a Qwen3-VL one (3-D positions;
+transformers only, vLLM's Qwen-VL needs torchvision) and `build_tiny_text_model` a Qwen2 one. All
+five are ordinary Hugging Face directories (safetensors, config, generation config, tokenizer with a
+ChatML chat template; processor config for the VLMs) that load in transformers and, the Qwen-VL ones
+excepted, in vLLM. Nothing is downloaded: the byte-level BPE tokenizer is trained here on a small built-in
 corpus, and the weights are random from `seed`.
 
 Choices that matter downstream:
@@ -13,8 +15,11 @@ Choices that matter downstream:
 - EOS is `<|im_end|>`, pad is `<|endoftext|>`.
 - Idefics3 images are resized to 56x56 without splitting: each image becomes
   `<fake_token_around_image><global-img>` + 4 x `<image>` + `<fake_token_around_image>`.
-- Qwen2.5-VL images keep their aspect ratio within 28x28 to 56x56 pixels (multiples of 28): each
-  becomes `<|vision_start|>` + 1 to 4 x `<|image_pad|>` + `<|vision_end|>`.
+- PaddleOCR-VL images keep their aspect ratio within 28x28 to 56x56 pixels (multiples of 28): each
+  becomes `<|IMAGE_START|>` + 1 to 4 x `<|IMAGE_PLACEHOLDER|>` + `<|IMAGE_END|>`.
+- Qwen2.5-VL images keep their aspect ratio within 28x28 to 56x56 pixels (multiples of 28), Qwen3-VL
+  ones within 32x32 to 64x64 (multiples of 32: patch 16): each becomes `<|vision_start|>` + 1 to 4 x
+  `<|image_pad|>` + `<|vision_end|>`.
 - head_dim is 32, the smallest the vLLM CPU attention backend accepts.
 - Embeddings are untied, so HF and vLLM never disagree about which weights are shared.
 """
@@ -33,13 +38,20 @@ from transformers import (
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
     Idefics3Processor,
+    PaddleOCRVLConfig,
+    PaddleOCRVLForConditionalGeneration,
+    PaddleOCRVLProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
 )
+from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import PaddleOCRVLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -69,6 +81,11 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 QWEN_VL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("'<image>'", repr(QWEN_VL_IMAGE))
+PADDLE_SPECIALS = {  # PaddleOCR-VL's processor reads the image token from the tokenizer by name
+    "image_token": "<|IMAGE_PLACEHOLDER|>", "image_start_token": "<|IMAGE_START|>",
+    "image_end_token": "<|IMAGE_END|>", "video_token": "<|video_pad|>",
+}
+PADDLE_IMAGE = "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"  # expanded by the processor per image
 
 # Built-in BPE corpus: the vocabulary of the synthetic tasks and the prompts, plus common English.
 _CORPUS = """
@@ -107,9 +124,13 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(
-    *, extra_specials: tuple[str, ...] = (), vocab_size: int = 1024, template: str = CHAT_TEMPLATE
+    *, extra_specials: tuple[str, ...] = (), vocab_size: int = 1024, template: str = CHAT_TEMPLATE,
+    named_specials: dict[str, str] | None = None,
 ) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE with ChatML specials on the built-in corpus (deterministic, ~10 ms)."""
+    """Train a byte-level BPE with ChatML specials on the built-in corpus (deterministic, ~10 ms).
+
+    `named_specials` (e.g. `{"image_token": "<|IMAGE_PLACEHOLDER|>"}`, all among `extra_specials`)
+    become tokenizer attributes, as some processors read them (`tokenizer.image_token`)."""
     tok = Tokenizer(models.BPE())
     # Qwen2's exact pipeline: AutoTokenizer rebuilds it for a qwen2 config whatever tokenizer.json
     # says, so any other pipeline would tokenize differently once saved and reloaded.
@@ -131,7 +152,7 @@ def build_tokenizer(
         tokenizer_object=tok,
         eos_token=EOS,
         pad_token=PAD,
-        extra_special_tokens=list(extra_specials),
+        extra_special_tokens=dict(named_specials) if named_specials else list(extra_specials),
         chat_template=template,
         model_max_length=4096,
     )
@@ -243,27 +264,9 @@ def build_tiny_vlm(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathli
     return _finish(out, marker)
 
 
-def build_tiny_qwen25_vl(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathlib.Path:
-    """Write a tiny random Qwen2.5-VL (about 0.76M parameters) with its image-only processor.
-
-    The shapes keep what makes the family different: 3-D rotary positions (mrope sections 4+6+6 =
-    head_dim / 2), window attention in the vision tower with one full-attention block, 2x2 patch
-    merging, and images of any aspect ratio as flat patch tensors with `image_grid_thw`.
-    """
-    marker = {"kind": "tiny-qwen2.5-vl", "seed": seed, "version": 1}
-    out, reuse = _prepare(out_dir, marker, overwrite)
-    if reuse:
-        return out
-    tokenizer = build_tokenizer(extra_specials=QWEN_VL_SPECIALS, template=QWEN_VL_CHAT_TEMPLATE)
+def _qwen_vl_token_ids(tokenizer) -> dict:
     token = tokenizer.convert_tokens_to_ids
-    text = _text_kwargs(tokenizer)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(**text, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}),
-        vision_config=dict(
-            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
-            patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-            fullatt_block_indexes=[1], tokens_per_second=2,
-        ),
+    return dict(
         image_token_id=token("<|image_pad|>"),
         video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token("<|vision_start|>"),
@@ -271,10 +274,104 @@ def build_tiny_qwen25_vl(out_dir, *, seed: int = 0, overwrite: bool = False) -> 
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    _save_random_model(Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed, out)
-    # 28x28 to 56x56 pixels: 1 to 4 image tokens per image, varying with the aspect ratio.
-    image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=28 * 28, max_pixels=IMAGE_SIZE * IMAGE_SIZE, image_mean=[0.5] * 3, image_std=[0.5] * 3
+
+
+def _build_tiny_qwen_vl(out_dir, marker: dict, overwrite: bool, seed: int, *, config_class, model_class,
+                        processor_class, rope: dict, vision: dict, patch_unit: int) -> pathlib.Path:
+    """A tiny Qwen-VL of either generation: a text model of `_text_kwargs` with 3-D rotary positions
+    (`rope`), the vision tower `vision`, and an image-only processor taking 1 to 4 image tokens per
+    image: `patch_unit` (patch x merge) to 2 x `patch_unit` pixels a side, any aspect ratio."""
+    out, reuse = _prepare(out_dir, marker, overwrite)
+    if reuse:
+        return out
+    tokenizer = build_tokenizer(extra_specials=QWEN_VL_SPECIALS, template=QWEN_VL_CHAT_TEMPLATE)
+    text = _text_kwargs(tokenizer)
+    config = config_class(
+        text_config=dict(**text, rope_parameters=rope),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
+                           patch_size=patch_unit // 2, spatial_merge_size=2, temporal_patch_size=2, **vision),
+        **_qwen_vl_token_ids(tokenizer),
     )
-    image_only_processor(Qwen2_5_VLProcessor, image_processor, tokenizer).save_pretrained(out)
+    _save_random_model(model_class, config, tokenizer, seed, out)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=patch_unit // 2, merge_size=2, temporal_patch_size=2,
+        min_pixels=patch_unit**2, max_pixels=(2 * patch_unit) ** 2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )
+    image_only_processor(processor_class, image_processor, tokenizer).save_pretrained(out)
+    return _finish(out, marker)
+
+
+def build_tiny_qwen25_vl(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathlib.Path:
+    """Write a tiny random Qwen2.5-VL (about 0.76M parameters) with its image-only processor.
+
+    The shapes keep what makes the family different: 3-D rotary positions (mrope sections 4+6+6 =
+    head_dim / 2), window attention in the vision tower with one full-attention block, 2x2 patch
+    merging, and images of any aspect ratio as flat patch tensors with `image_grid_thw`.
+    """
+    return _build_tiny_qwen_vl(
+        out_dir, {"kind": "tiny-qwen2.5-vl", "seed": seed, "version": 1}, overwrite, seed,
+        config_class=Qwen2_5_VLConfig, model_class=Qwen2_5_VLForConditionalGeneration, processor_class=Qwen2_5_VLProcessor,
+        rope={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+        vision=dict(window_size=56, fullatt_block_indexes=[1], tokens_per_second=2),
+        patch_unit=PATCH_SIZE * 2,
+    )
+
+
+def build_tiny_qwen3_vl(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathlib.Path:
+    """Write a tiny random Qwen3-VL (about 0.97M parameters) with its image-only processor.
+
+    What Qwen3-VL adds to Qwen2.5-VL is kept: interleaved 3-D rotary sections (6+5+5 = head_dim / 2),
+    patch 16 with a learned position grid (4x4 here) resampled to each image, and DeepStack: the
+    outputs of vision blocks 0 and 1, each through its own merger, are added to the hidden states of
+    the image tokens after text layers 0 and 1.
+    """
+    return _build_tiny_qwen_vl(
+        out_dir, {"kind": "tiny-qwen3-vl", "seed": seed, "version": 1}, overwrite, seed,
+        config_class=Qwen3VLConfig, model_class=Qwen3VLForConditionalGeneration, processor_class=Qwen3VLProcessor,
+        rope={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [6, 5, 5], "mrope_interleaved": True},
+        vision=dict(num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+        patch_unit=32,
+    )
+
+
+def build_tiny_paddleocr_vl(out_dir, *, seed: int = 0, overwrite: bool = False, position_grid: int = 1) -> pathlib.Path:
+    """Write a tiny random PaddleOCR-VL (about 0.7M parameters) with its processor.
+
+    The family vLLM serves on CPU that is closest to Qwen-VL: a NaViT (SigLIP) vision tower on
+    images of any aspect ratio as flat patches with `image_grid_thw`, 2-D rotary positions in the
+    tower, a 2x2-merging projector, and an ERNIE-4.5 text model with 3-D "mrope" positions
+    (sections 4+6+6 = head_dim / 2) from the processor's `mm_token_type_ids`.
+
+    The learned position grid is `position_grid` x `position_grid` patches, 1 by default:
+    transformers 5.19 resamples the grid to each image with `align_corners=True`, vLLM 0.32 with
+    `align_corners=False`, so with a larger grid trainer and engine disagree on every image whose
+    patch grid differs from it (measured in tests/integration/test_paddleocr_vl_vllm.py). A single
+    position vector resamples to itself either way; positions still reach the tower through its
+    rotary embeddings.
+    """
+    marker = {"kind": "tiny-paddleocr-vl", "seed": seed, "version": 1, "position_grid": position_grid}
+    out, reuse = _prepare(out_dir, marker, overwrite)
+    if reuse:
+        return out
+    template = CHAT_TEMPLATE.replace("'<image>'", repr(PADDLE_IMAGE))
+    tokenizer = build_tokenizer(extra_specials=tuple(PADDLE_SPECIALS.values()), template=template, named_specials=PADDLE_SPECIALS)
+    token = tokenizer.convert_tokens_to_ids
+    text = _text_kwargs(tokenizer)
+    config = PaddleOCRVLConfig(
+        text_config=dict(**text, use_bias=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [4, 6, 6]}),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                           patch_size=PATCH_SIZE, image_size=position_grid * PATCH_SIZE, spatial_merge_size=2),
+        image_token_id=token(PADDLE_SPECIALS["image_token"]),
+        video_token_id=token(PADDLE_SPECIALS["video_token"]),
+        vision_start_token_id=token(PADDLE_SPECIALS["image_start_token"]),
+        vision_end_token_id=token(PADDLE_SPECIALS["image_end_token"]),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    _save_random_model(PaddleOCRVLForConditionalGeneration, config, tokenizer, seed, out)
+    image_processor = PaddleOCRVLImageProcessorPil(
+        min_pixels=(2 * PATCH_SIZE) ** 2, max_pixels=IMAGE_SIZE**2, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    PaddleOCRVLProcessor(image_processor, tokenizer, chat_template=template).save_pretrained(out)
     return _finish(out, marker)

@@ -33,7 +33,9 @@ from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_ste
 from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
 from opsd.loss_kinds import build_loss
-from opsd.modeling import empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir
+from opsd.modeling import (
+    empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir, vision_parameter_names,
+)
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import RolloutEngine, make_engine
@@ -68,8 +70,9 @@ def train(cfg: Config) -> Path:
             if trained.metrics is None:  # no rank has anything to train on: all ranks skipped the update together
                 finish_step(run, step, {"skipped_step": 1, **trained.counts, "lr": lr, **timer.record()})
                 continue
-            with timer("weight_sync"):  # the next rollouts are on-policy
-                sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
+            with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
+                sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
+                                    exclude=run.frozen)
             record = {**trained.metrics, **trained.counts, "lr": lr, **timer.record(),
                       "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
             recorder = trained.recorder
@@ -126,6 +129,9 @@ class Run:
     """One optimizer step over a step's examples (scoring, loss, backward, clip, optimizer step)."""
     logger: MetricsLogger | NullMetricsLogger
     checkpoints: CheckpointManager
+    frozen: frozenset[str] = frozenset()
+    """Weights that never change (`model.freeze_vision`): after the first sync, not sent again to an
+    engine that keeps its weights (`sync_student`; one that discards them while released gets them all)."""
     start_step: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -163,9 +169,10 @@ def start_run(cfg: Config, log_file: Path) -> Run:
         check_adapter_receiver(engine)
     sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
     checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
+    frozen = frozenset(vision_parameter_names(student)) if cfg.model.freeze_vision else frozenset()
     step = TrainStep(student, teacher.scorer, optimizer, Scoring.from_config(cfg, processor), cfg.optim.max_grad_norm, ranks)
     return Run(cfg, output_dir, ranks, processor, stream, evaluator, engine, student, teacher,
-               optimizer, scheduler, step, logger, checkpoints, start_step)
+               optimizer, scheduler, step, logger, checkpoints, frozen, start_step)
 
 
 def sample(run: Run, step: int) -> Rollout:
@@ -315,11 +322,12 @@ def describe_plan(cfg: Config) -> str:
 
 def describe_lora(cfg: Config) -> str:
     lora = cfg.model.lora
+    frozen = "; vision tower and connector frozen" if cfg.model.freeze_vision else ""
     if lora is None:
-        return "training all weights"
+        return ("training all weights but the vision tower and connector (frozen)" if frozen else "training all weights")
     vision = f" + vision {'/'.join(lora.vision_target_modules)}" if lora.vision_target_modules else ""
     return (f"LoRA r={lora.rank} alpha={lora.alpha} dropout={lora.dropout} on {'/'.join(lora.target_modules)}{vision}, "
-            f"base weights {lora.base_dtype}; engine sync: {cfg.rollout.lora_sync}")
+            f"base weights {lora.base_dtype}; engine sync: {cfg.rollout.lora_sync}{frozen}")
 
 
 def describe_memory(cfg: Config, world_size: int, device_gb: float | None) -> str:

@@ -8,9 +8,12 @@ It runs with what it finds and says what it skipped and why:
   (bfloat16 params, float32 reduce) on the tiny Qwen2.5-VL loaded the torchrun way (rank 0 reads,
   broadcast into meta-initialised shards), an EMA teacher copied from the shards, 2 train steps, and
   a weight sync into a receiver in bfloat16 (bytes gathered vs float32).
-- `qwen25vl_7b_shaped` (transformers only): a Qwen2.5-VL-7B-shaped random model in bfloat16 built
-  from the shipped config (no download), activation checkpointing, one teacher forward without grad
-  and one student forward + backward at `--tokens` tokens with images; peak memory and time.
+- `qwen25vl_7b_shaped`, `qwen3vl_8b_shaped` (transformers only): a Qwen2.5-VL-7B- or
+  Qwen3-VL-8B-shaped random model in bfloat16 built from the shipped config (no download),
+  activation checkpointing, one teacher forward without grad and one student forward + backward at
+  `--tokens` tokens with `--images` images of about 1008 pixels a side (3-D positions; Qwen3-VL's
+  DeepStack features on every image token); peak memory and time. The same code runs on the tiny
+  models on CPU in the tests (`forward_backward`, `qwen_vl_inputs`).
 - `vllm_sleep_sync_parity` (needs vllm and pydantic): the colocated engine on the tiny text model
   with sleep mode: generate, sleep (level 2), weight sync, generate again; logprobs against the
   trainer's (float32) and the engine's memory while asleep.
@@ -35,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QWEN_7B_CONFIG = ROOT / "opsd" / "model_configs" / "Qwen--Qwen2.5-VL-7B-Instruct.json"
+SHIPPED_CONFIGS = ROOT / "opsd" / "model_configs"
 
 
 class Skip(Exception):
@@ -155,10 +158,10 @@ def check_fsdp_nccl_ema_sync(args) -> dict:
     }
 
 
-def _qwen_7b(device) -> torch.nn.Module:
+def _shaped_model(config_file: str, device) -> tuple[torch.nn.Module, str]:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    raw = json.loads(QWEN_7B_CONFIG.read_text())
+    raw = json.loads((SHIPPED_CONFIGS / config_file).read_text())
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     attn = "flash_attention_2" if _version("flash_attn") else "sdpa"
     with torch.device(device):
@@ -166,11 +169,13 @@ def _qwen_7b(device) -> torch.nn.Module:
     return model, attn
 
 
-def _qwen_inputs(config, tokens: int, images: int, device) -> dict:
-    """`images` images of 1008 x 1008 pixels (1296 tokens each) and text up to `tokens` ids in all."""
-    side = 1008 // 14  # patches per side
-    merge = config.vision_config.spatial_merge_size
-    per_image = (side // merge) ** 2
+def qwen_vl_inputs(config, tokens: int, images: int, device, side_pixels: int = 1008) -> dict:
+    """`images` square images of about `side_pixels` (a multiple of patch x merge: 1008 for Qwen2.5-VL,
+    992 for Qwen3-VL) and text up to `tokens` ids in all, as the processor lays them out."""
+    vision = config.vision_config
+    unit = vision.patch_size * vision.spatial_merge_size
+    side = (side_pixels // unit) * unit // vision.patch_size  # patches per side
+    per_image = (side // vision.spatial_merge_size) ** 2
     ids, types = [], []
     for _ in range(images):
         ids += [config.vision_start_token_id] + [config.image_token_id] * per_image + [config.vision_end_token_id]
@@ -178,41 +183,41 @@ def _qwen_inputs(config, tokens: int, images: int, device) -> dict:
     text = tokens - len(ids)
     if text <= 0:
         raise ValueError(f"--tokens {tokens} leaves no room for text after {images} images")
-    ids += torch.randint(1000, 100000, (text,)).tolist()
+    vocab = config.get_text_config().vocab_size
+    specials = {config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id}
+    words = [t for t in torch.randint(min(1000, vocab // 4), vocab, (2 * text,)).tolist() if t not in specials]
+    ids += words[:text]
     types += [0] * text
-    patch_dim = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    patch_dim = 3 * vision.temporal_patch_size * vision.patch_size**2
     return {
         "input_ids": torch.tensor([ids], device=device),
         "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device),
         "mm_token_type_ids": torch.tensor([types], device=device),
-        "pixel_values": torch.randn(images * side * side, patch_dim, dtype=torch.bfloat16, device=device),
+        "pixel_values": torch.randn(images * side * side, patch_dim, dtype=torch.bfloat16, device=device),  # the model casts
         "image_grid_thw": torch.tensor([[1, side, side]] * images, device=device),
     }
 
 
-def check_qwen25vl_7b_shaped(args) -> dict:
-    _need_cuda()
-    device = torch.device("cuda", 0)
-    torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    model, attn = _qwen_7b(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    build_s = time.perf_counter() - start
-    weights = torch.cuda.memory_allocated()
-    inputs = _qwen_inputs(model.config, args.tokens, args.images, device)
-    completion = min(1024, args.tokens // 4)
+def forward_backward(model, inputs: dict, completion: int) -> dict:
+    """A teacher forward without grad and a student forward + backward on the last `completion`
+    positions, the way scoring runs them (inner model, LM head on the completion only)."""
     head = model.get_output_embeddings()
+    cuda = inputs["input_ids"].is_cuda
 
     def completion_logits():
         hidden = model.model(**inputs, use_cache=False).last_hidden_state
         return head(hidden[0, -completion - 1 : -1])
 
+    def synchronize():
+        if cuda:
+            torch.cuda.synchronize()
+
     model.eval()
-    torch.cuda.synchronize()
+    synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
         teacher_logits = completion_logits()
-    torch.cuda.synchronize()
+    synchronize()
     teacher_s = time.perf_counter() - t0
     model.train()
     t0 = time.perf_counter()
@@ -221,19 +226,44 @@ def check_qwen25vl_7b_shaped(args) -> dict:
         student_logits.float().log_softmax(-1), teacher_logits.float().log_softmax(-1), log_target=True, reduction="batchmean"
     )
     loss.backward()
-    torch.cuda.synchronize()
+    synchronize()
     student_s = time.perf_counter() - t0
     grads = all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    result = {
-        "ok": bool(torch.isfinite(loss).item()) and grads, "attn_implementation": attn,
-        "parameters": sum(p.numel() for p in model.parameters()), "tokens": inputs["input_ids"].shape[1],
-        "images": args.images, "completion_positions": completion, "build_s": round(build_s, 2),
-        "weights_gb": _gb(weights), "teacher_forward_s": round(teacher_s, 3), "student_forward_backward_s": round(student_s, 3),
-        "peak_memory_gb": _gb(torch.cuda.max_memory_allocated()), "all_parameters_have_grads": grads,
+    return {
+        "ok": bool(torch.isfinite(loss).item()) and grads, "tokens": inputs["input_ids"].shape[1],
+        "completion_positions": completion, "teacher_forward_s": round(teacher_s, 3),
+        "student_forward_backward_s": round(student_s, 3), "all_parameters_have_grads": grads,
     }
-    del model, inputs, student_logits, teacher_logits, loss
+
+
+def _check_shaped(config_file: str, args) -> dict:
+    _need_cuda()
+    device = torch.device("cuda", 0)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model, attn = _shaped_model(config_file, device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    build_s = time.perf_counter() - start
+    weights = torch.cuda.memory_allocated()
+    inputs = qwen_vl_inputs(model.config, args.tokens, args.images, device)
+    result = {
+        "attn_implementation": attn, "parameters": sum(p.numel() for p in model.parameters()), "images": args.images,
+        "deepstack_layers": len(getattr(model.config.vision_config, "deepstack_visual_indexes", ())),
+        "build_s": round(build_s, 2), "weights_gb": _gb(weights),
+        **forward_backward(model, inputs, completion=min(1024, args.tokens // 4)),
+        "peak_memory_gb": _gb(torch.cuda.max_memory_allocated()),
+    }
+    del model, inputs
     torch.cuda.empty_cache()
     return result
+
+
+def check_qwen25vl_7b_shaped(args) -> dict:
+    return _check_shaped("Qwen--Qwen2.5-VL-7B-Instruct.json", args)
+
+
+def check_qwen3vl_8b_shaped(args) -> dict:
+    return _check_shaped("Qwen--Qwen3-VL-8B-Instruct.json", args)
 
 
 def check_vllm_sleep_sync_parity(args) -> dict:
@@ -285,6 +315,7 @@ CHECKS = {
     "environment": check_environment,
     "fsdp_nccl_ema_sync": check_fsdp_nccl_ema_sync,
     "qwen25vl_7b_shaped": check_qwen25vl_7b_shaped,
+    "qwen3vl_8b_shaped": check_qwen3vl_8b_shaped,
     "vllm_sleep_sync_parity": check_vllm_sleep_sync_parity,
 }
 
@@ -312,8 +343,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="gpu_check.json", help="JSON report path")
     parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run only these checks")
-    parser.add_argument("--tokens", type=int, default=9216, help="qwen25vl_7b_shaped: sequence length")
-    parser.add_argument("--images", type=int, default=4, help="qwen25vl_7b_shaped: 1008x1008 images in the sequence")
+    parser.add_argument("--tokens", type=int, default=9216, help="the *_shaped checks: sequence length")
+    parser.add_argument("--images", type=int, default=4, help="the *_shaped checks: ~1008x1008 images in the sequence")
     args = parser.parse_args(argv)
     report = run_checks(args.only or list(CHECKS), args)
     Path(args.out).write_text(json.dumps(report, indent=1))

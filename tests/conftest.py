@@ -10,25 +10,35 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 
 
+def _tiny_model(tmp_path_factory, builder: str, name: str):
+    from opsd import tiny_models
+
+    return getattr(tiny_models, builder)(tmp_path_factory.mktemp("models") / name)
+
+
 @pytest.fixture(scope="session")
 def tiny_vlm_dir(tmp_path_factory):
-    from opsd.tiny_models import build_tiny_vlm
-
-    return build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm")
+    return _tiny_model(tmp_path_factory, "build_tiny_vlm", "tiny-vlm")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen_vl_dir(tmp_path_factory):
-    from opsd.tiny_models import build_tiny_qwen25_vl
+    return _tiny_model(tmp_path_factory, "build_tiny_qwen25_vl", "tiny-qwen25vl")
 
-    return build_tiny_qwen25_vl(tmp_path_factory.mktemp("models") / "tiny-qwen25vl")
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory):
+    return _tiny_model(tmp_path_factory, "build_tiny_qwen3_vl", "tiny-qwen3vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_paddleocr_vl_dir(tmp_path_factory):
+    return _tiny_model(tmp_path_factory, "build_tiny_paddleocr_vl", "tiny-paddleocr-vl")
 
 
 @pytest.fixture(scope="session")
 def tiny_text_dir(tmp_path_factory):
-    from opsd.tiny_models import build_tiny_text_model
-
-    return build_tiny_text_model(tmp_path_factory.mktemp("models") / "tiny-text")
+    return _tiny_model(tmp_path_factory, "build_tiny_text_model", "tiny-text")
 
 
 @pytest.fixture(scope="session")

@@ -108,6 +108,12 @@ class EngineCapabilities:
     receive_adapter: bool = False
     """It has `receive_adapter(update: opsd.lora.AdapterUpdate)` and samples with the LoRA adapter it
     was last given, base weights unchanged (`rollout.lora_sync: adapter` needs it)."""
+    checkpoint_names: bool = False
+    """It loads weights the way it loads a checkpoint (vLLM): the sync sends each tensor under the name
+    `save_pretrained` writes for it (`weight_sync.checkpoint_names`), not the loaded model's."""
+    discards_weights: bool = False
+    """`release_memory` drops the weights it was sent (vLLM asleep at level 2 on a GPU): every update
+    must bring all of them, a frozen vision tower's too (`sync_student`'s `exclude`)."""
 
 
 class RolloutEngine(WeightReceiver, Protocol):

@@ -61,7 +61,7 @@ class HFEngine:
             min_length=0, min_new_tokens=None, suppress_tokens=None, begin_suppress_tokens=None,
             sequence_bias=None, forced_bos_token_id=None, forced_eos_token_id=None,
             exponential_decay_length_penalty=None, renormalize_logits=False, remove_invalid_values=False,
-            num_beams=1, max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+            num_beams=1, max_new_tokens=sampling.max_new_tokens, num_return_sequences=1,  # prompts repeated instead
             bad_words_ids=[[t] for t in sampling.banned_token_ids] or None,
             output_logits=True,  # raw logits, comparable with the trainer's (scores are warped)
             return_dict_in_generate=True,
@@ -70,7 +70,10 @@ class HFEngine:
         )
 
     def _generate_batch(self, prompts: list[Prompt], sampling: SamplingSettings, index_offset: int) -> list[Completion]:
-        inputs = self._encode(prompts)
+        # Each prompt `n` times in the batch rather than `num_return_sequences`: expanding the inputs
+        # for that is the model's job, and models with flat patch tensors (PaddleOCR-VL in
+        # transformers 5.19) repeat the patches wrongly, pairing the copies with other images.
+        inputs = self._encode([p for p in prompts for _ in range(sampling.n)])
         out = self.model.generate(**inputs, generation_config=self.generation_config(sampling))
         new_tokens = out.sequences[:, inputs["input_ids"].shape[1] :]
         logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)

@@ -66,10 +66,14 @@ class ServerEngine:
         request_timeout_s: float = 600,
         max_parallel_requests: int = 32,
         weight_dtype: torch.dtype | None = None,
+        frozen_vision: bool = False,
     ):
         self.url = url
-        # The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16).
-        self.capabilities = EngineCapabilities(weight_dtype=weight_dtype)
+        # The server's weight dtype: weight buckets are written in it (half the bytes in bfloat16);
+        # the server's vLLM loads weights under their checkpoint names.
+        self.capabilities = EngineCapabilities(weight_dtype=weight_dtype, checkpoint_names=True)
+        self.frozen_vision = frozen_vision  # as VLLMEngine's: updates after the first keep the image encodings
+        self.weight_updates = 0
         self.tokenizer = tokenizer_of(processor)
         self.client = httpx.Client(base_url=url, timeout=request_timeout_s)
         self._wait_until_ready(startup_timeout_s)
@@ -89,6 +93,7 @@ class ServerEngine:
             s.url, processor, weights_dir=s.weights_dir, startup_timeout_s=s.startup_timeout_s,
             request_timeout_s=s.request_timeout_s, max_parallel_requests=s.max_parallel_requests,
             weight_dtype=getattr(torch, cfg.model.dtype),  # the server runs with --dtype model.dtype
+            frozen_vision=cfg.model.freeze_vision,
         )
 
     # -- HTTP -------------------------------------------------------------------------------------
@@ -179,11 +184,13 @@ class ServerEngine:
             path.unlink(missing_ok=True)
 
     def end_weight_update(self) -> None:
-        self._rpc("opsd_finish_weight_update")
+        keep = self.frozen_vision and self.weight_updates > 0
+        self._rpc("opsd_finish_weight_update", *(["keep_image_encodings"] if keep else []))
         # Cached KV blocks and image encodings were computed by the old weights; the scheduler
         # keeps its own record of cached encodings, so it is reset too (else "Encoder cache miss").
-        for path in ("/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache"):
+        for path in ("/reset_prefix_cache", "/reset_mm_cache", *([] if keep else ["/reset_encoder_cache"])):
             self._call("POST", path)
+        self.weight_updates += 1
 
     def weight_checksums(self) -> dict[str, str]:
         """Digest of every engine parameter, as the colocated engine offers."""

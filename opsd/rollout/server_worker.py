@@ -29,5 +29,5 @@ class WeightSyncExtension:
         load_bucket(self, bucket)
         return len(bucket)
 
-    def opsd_finish_weight_update(self) -> None:
-        finish_reload(self)
+    def opsd_finish_weight_update(self, *flags: str) -> None:
+        finish_reload(self, keep_image_encodings="keep_image_encodings" in flags)

@@ -52,6 +52,9 @@ class VLLMOptions:
     max_logprobs: int | None = None
     """Most logprobs (or prompt logprobs) a request may ask per position; None: vLLM's default (20).
     bench/step_profile.py raises it to score a teacher's top-k in the engine."""
+    frozen_vision: bool = False
+    """`model.freeze_vision`: weight updates after the first leave the vision tower as it was, so the
+    engine keeps its image encodings (opsd's own, no vLLM argument)."""
 
     @classmethod
     def from_config(cls, cfg, model_path) -> "VLLMOptions":
@@ -64,6 +67,7 @@ class VLLMOptions:
             tensor_parallel_size=r.tensor_parallel_size, sleep_mode=r.sleep_mode,
             trust_remote_code=cfg.model.trust_remote_code,
             max_lora_rank=cfg.model.lora.rank if cfg.model.lora and r.lora_sync == "adapter" else None,
+            frozen_vision=cfg.model.freeze_vision,
         )
 
 

@@ -55,6 +55,8 @@ class VLLMEngine:
         self.tensor_parallel_size = options.tensor_parallel_size
         self.weight_dtype = getattr(torch, options.dtype)
         """The engine's weights are `dtype`: the weight sync casts (and gathers) in it."""
+        self.frozen_vision = options.frozen_vision
+        self.weight_updates = 0
         self.llm = LLM(**engine_args(options), **engine_kwargs(tensor_parallel_size=options.tensor_parallel_size))
         self.tokenizer = self.llm.get_tokenizer()
         self._lora_request = None  # the adapter every request names, once one was received
@@ -68,6 +70,9 @@ class VLLMEngine:
             generate_is_collective=self.tensor_parallel_size > 1,
             weight_dtype=self.weight_dtype,
             receive_adapter=self._adapter_root is not None,
+            checkpoint_names=True,  # vLLM loads weights under their names in the checkpoint files
+            # Asleep at level 2 (full weights on a GPU) the engine drops its weights.
+            discards_weights=self.sleep_mode and self._adapter_root is None,
         )
 
     # Sleep mode (CUDA): asleep from the end of the step's rollouts to the weight sync, so that
@@ -134,10 +139,13 @@ class VLLMEngine:
         self.llm.collective_rpc(load_bucket, args=(bucket,))
 
     def end_weight_update(self) -> None:
-        self.llm.collective_rpc(finish_reload)
+        # The first update may bring any weights (a checkpoint's); later ones leave a frozen tower be.
+        keep = self.frozen_vision and self.weight_updates > 0
+        self.llm.collective_rpc(finish_reload, args=(keep,))
         self._weights_discarded = False
         self._wake("kv_cache")
-        reset_caches(self.llm)
+        reset_caches(self.llm, keep_image_encodings=keep)
+        self.weight_updates += 1
 
     def receive_adapter(self, update) -> None:
         """Serve a new LoRA adapter (an `opsd.lora.AdapterUpdate`): written as a PEFT directory (in

@@ -53,14 +53,17 @@ def quiet_rotary_reload_warning() -> None:
     )
 
 
-def reset_caches(llm) -> None:
-    """After a weight update: cached KV blocks and image encodings were computed by the old weights.
+def reset_caches(llm, *, keep_image_encodings: bool = False) -> None:
+    """After a weight update: cached KV blocks and image encodings were computed by the old weights;
+    `keep_image_encodings` when the update left the vision tower and connector as they were
+    (`model.freeze_vision`), so the encodings still hold.
 
     The scheduler keeps its own record of cached encodings: without its reset the next request with
-    a known image fails with "Encoder cache miss".
+    a known image fails with "Encoder cache miss" (it is reset together with the worker's cache).
     """
     llm.reset_prefix_cache()
-    llm.llm_engine.reset_encoder_cache()
+    if not keep_image_encodings:
+        llm.llm_engine.reset_encoder_cache()
     llm.reset_mm_cache()
 
 
@@ -80,14 +83,15 @@ def load_bucket(worker, bucket) -> None:
         worker.model_runner.get_model().load_weights(iter(bucket))
 
 
-def finish_reload(worker) -> None:
+def finish_reload(worker, keep_image_encodings: bool = False) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
         _reprocess_shared_weights(worker.model_runner.get_model())
-    worker.model_runner.reset_encoder_cache()
+    if not keep_image_encodings:  # as `reset_caches`
+        worker.model_runner.reset_encoder_cache()
     worker.model_runner.reset_mm_cache()
 
 

@@ -80,6 +80,12 @@ class TrainingParts:
     stream: Any = None
     """The data stream; its position goes into `trainer_state.json` (see CheckpointManager)."""
 
+    @property
+    def frozen_vision(self) -> bool:
+        """Whether part of a fully trained student is frozen (`model.freeze_vision`): its optimizer
+        then holds no state for that part."""
+        return not lora.is_lora(self.student) and not all(p.requires_grad for p in self.student.parameters())
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -271,6 +277,7 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
             "format_version": FORMAT_VERSION,
             "step": step,
             "teacher_mode": parts.teacher.mode,
+            "frozen_vision": parts.frozen_vision,
             "world_size": process_world_size(),
             "model": model_fingerprint(parts.student),
             "files": _file_records(tmp),
@@ -373,6 +380,12 @@ def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = Fa
     refusal = resume_refusal(parts.teacher, saved_mode)
     if refusal:
         raise CheckpointError(f"checkpoint {path}: {refusal}")
+    if manifest.get("frozen_vision", False) and not parts.frozen_vision:
+        raise CheckpointError(
+            f"checkpoint {path} was written with model.freeze_vision=true: its optimizer holds no state for the "
+            "vision tower this run trains; resume with model.freeze_vision=true, or start from its weights "
+            "(checkpoint.resume_model_only=true)"
+        )
     state = _train_state(parts)
     _dcp_load(state, path)
     set_state_dict(parts.student, parts.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],

@@ -82,6 +82,8 @@ class ModelShape:
     """Vision tower: layers, hidden, intermediate, patch, merge, image_size (None = text model)."""
     lora_parameters: int = 0
     """The adapter's parameters when `model.lora` is set (rank x (in + out) per adapted layer)."""
+    vision_parameters: int = 0
+    """The vision tower's and connector's (`modeling.vision_parameter_names`), what `model.freeze_vision` freezes."""
 
 
 def meta_model(config, multimodal: bool) -> torch.nn.Module:
@@ -93,6 +95,7 @@ def meta_model(config, multimodal: bool) -> torch.nn.Module:
 
 
 def model_shape(config, lora: LoraConfig | None = None) -> ModelShape:
+    from opsd.modeling import vision_parameter_names
     from opsd.trainer.fsdp import transformer_blocks
 
     vision_cfg = getattr(config, "vision_config", None)
@@ -123,6 +126,7 @@ def model_shape(config, lora: LoraConfig | None = None) -> ModelShape:
         vocab=text.vocab_size,
         vision=vision,
         lora_parameters=lora_parameters(model, lora) if lora else 0,
+        vision_parameters=sum(model.get_parameter(name).numel() for name in vision_parameter_names(model)),
     )
 
 
@@ -210,18 +214,25 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> Memory
     per = f"/ {shard} ranks" if shard > 1 else "(unsharded)"
     lora = cfg.model.lora
     A = shape.lora_parameters
+    # A frozen vision tower (model.freeze_vision) of a full-weight student has no gradients or optimizer
+    # state, and a copied teacher shares it in one process (sharded, each keeps its own shards of it).
+    V = shape.vision_parameters if cfg.model.freeze_vision and not lora else 0
     if lora:  # a frozen base: gradients and AdamW states for the adapter only
         static = add("student weights", (DTYPE_BYTES[lora.base_dtype] * P + 4 * A) / shard,
                      f"frozen {lora.base_dtype} base + float32 adapter ({A / 1e6:.0f}M) {per}")
         static += add("gradients", 4 * A / shard, f"float32, adapter only {per}")
         static += add("optimizer", 8 * A / shard, f"AdamW: 2 float32 states, adapter only {per}")
     else:
+        frozen = f", vision tower frozen ({V / 1e6:.0f}M)" if V else ""
         static = add("student weights", 4 * P / shard, f"float32 master {per}")
-        static += add("gradients", 4 * P / shard, f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else ""))
-        static += add("optimizer", 8 * P / shard, f"AdamW: 2 float32 states {per}")
+        static += add("gradients", 4 * (P - V) / shard,
+                      f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else "") + frozen)
+        static += add("optimizer", 8 * (P - V) / shard, f"AdamW: 2 float32 states {per}{frozen}")
     teacher = teacher_class(cfg.teacher, lora_student=lora is not None)
-    memory = TeacherMemory(copy_bytes=4 * P / shard, adapter_bytes=4 * A / shard, per=per,
-                           offloaded=dist.cpu_offload_teacher and world_size > 1)
+    shared = V if shard == 1 else 0
+    memory = TeacherMemory(copy_bytes=4 * (P - shared) / shard, adapter_bytes=4 * A / shard, per=per,
+                           offloaded=dist.cpu_offload_teacher and world_size > 1,
+                           shared="the frozen vision tower" if shared else "")
     static += add(f"teacher ({cfg.teacher.mode})", *teacher.memory_row(memory))
     static += add("CUDA context, NCCL, slack", CONTEXT_GB * GB, "estimate")
 

@@ -13,10 +13,10 @@ from tests.helpers.samples import SampleList
 from opsd.trainer.optim import build_optimizer, build_scheduler
 
 
-def make_parts(model_dir, teacher_mode="ema", wrap=lambda model: None):
+def make_parts(model_dir, teacher_mode="ema", wrap=lambda model: None, freeze_vision=False):
     """`wrap` (e.g. FSDP2 sharding) is applied to the student and its teacher's own model (if any)
     before the optimizer exists; the EMA moves half way each step."""
-    model_cfg = ModelConfig(path=str(model_dir))
+    model_cfg = ModelConfig(path=str(model_dir), freeze_vision=freeze_vision)
     processor = load_processor(model_cfg)
     student = load_model(model_cfg, processor, torch.device("cpu"))
     teacher = make_teacher(TeacherConfig(mode=teacher_mode, ema_decay=0.5), student)

@@ -38,6 +38,22 @@ def test_the_report_says_what_ran_and_what_was_skipped(tmp_path):
         assert "fsdp_nccl_ema_sync: skipped (no CUDA device)" in proc.stdout
 
 
+@pytest.mark.parametrize("fixture", ["tiny_qwen_vl_dir", "tiny_qwen3_vl_dir"])
+def test_the_shaped_checks_inputs_and_scoring_run_on_the_tiny_qwen_vl_models(request, fixture):
+    """What `qwen25vl_7b_shaped` / `qwen3vl_8b_shaped` run on a GPU, on the tiny models of the same
+    families on CPU: the inputs they lay out are ones the model accepts, and every parameter
+    (the vision tower and, for Qwen3-VL, its DeepStack mergers) gets a gradient."""
+    from transformers import AutoModelForImageTextToText
+
+    check = gpu_check()
+    model = AutoModelForImageTextToText.from_pretrained(request.getfixturevalue(fixture), dtype=torch.float32)
+    inputs = check.qwen_vl_inputs(model.config, tokens=300, images=2, device="cpu", side_pixels=128)
+    grid = inputs["image_grid_thw"]
+    assert (inputs["mm_token_type_ids"] == 1).sum() == grid.prod(-1).sum() // 4  # 2x2 merge
+    result = check.forward_backward(model, inputs, completion=16)
+    assert result["ok"] and result["all_parameters_have_grads"] and result["tokens"] == 300, result
+
+
 class Args:
     tokens = 9216
     images = 4
@@ -52,12 +68,16 @@ def test_fsdp_on_nccl_trains_with_an_ema_teacher_and_syncs_in_bfloat16():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_qwen25vl_7b_shaped_model_scores_9k_tokens_with_images():
+@pytest.mark.parametrize("check, parameters, deepstack", [
+    ("check_qwen25vl_7b_shaped", 8_292_166_656, 0),  # Qwen2.5-VL-7B with its vision tower
+    ("check_qwen3vl_8b_shaped", 8_767_123_696, 3),  # Qwen3-VL-8B, DeepStack from 3 vision blocks
+])
+def test_a_7b_or_8b_shaped_qwen_vl_scores_9k_tokens_with_images(check, parameters, deepstack):
     if torch.cuda.get_device_properties(0).total_memory < 60e9:
         pytest.skip("needs a GPU with 60 GB or more")
-    result = gpu_check().check_qwen25vl_7b_shaped(Args())
+    result = getattr(gpu_check(), check)(Args())
     assert result["ok"], result
-    assert result["parameters"] == 8_292_166_656 and result["tokens"] == 9216
+    assert result["parameters"] == parameters and result["tokens"] == 9216 and result["deepstack_layers"] == deepstack
 
 
 @pytest.mark.gpu
@@ -66,3 +86,4 @@ def test_vllm_sleeps_takes_the_weights_and_matches_the_trainer():
     pytest.importorskip("vllm")
     result = gpu_check().check_vllm_sleep_sync_parity(Args())
     assert result["ok"], result
+

@@ -6,7 +6,7 @@ import torch
 from opsd.config import ModelConfig, PromptConfig
 from opsd.data.synthetic import generate_samples
 from opsd.modeling import load_model, load_processor
-from opsd.rollout.weight_sync import push_weights
+from opsd.rollout.weight_sync import push_weights, sync_student
 from opsd.prompts import placeholder_token_ids, student_prompt
 from opsd.rollout.engine import SamplingSettings
 from tests.helpers.logprobs import TOLERANCE, engine_logprobs, trainer_logprobs
@@ -25,12 +25,14 @@ def make_engine(kind, model_dir, processor):
 
 
 @pytest.mark.parametrize("kind", [pytest.param("vllm", marks=pytest.mark.vllm), "hf"])
-@pytest.mark.parametrize("model", ["vlm", "text"])
-def test_engine_matches_trainer_before_and_after_update(kind, model, tiny_vlm_dir, tiny_text_dir):
-    model_dir = tiny_vlm_dir if model == "vlm" else tiny_text_dir
+@pytest.mark.parametrize("model", ["vlm", "paddleocr-vl", "text"])
+def test_engine_matches_trainer_before_and_after_update(kind, model, request):
+    """Idefics3 (fixed-size images) and PaddleOCR-VL (flat patches of any aspect ratio, 3-D positions):
+    the two VLM architectures vLLM serves on CPU, and a text model."""
+    model_dir = request.getfixturevalue({"vlm": "tiny_vlm_dir", "paddleocr-vl": "tiny_paddleocr_vl_dir", "text": "tiny_text_dir"}[model])
     processor = load_processor(ModelConfig(path=str(model_dir)))
     trainer = load_model(ModelConfig(path=str(model_dir)), processor, torch.device("cpu"))
-    samples = generate_samples(3, seed=1) if model == "vlm" else text_samples(3)
+    samples = text_samples(3) if model == "text" else generate_samples(3, seed=1)
     prompts = [student_prompt(s, processor, PromptConfig()) for s in samples]
     sampling = SamplingSettings(max_new_tokens=12, n=2, seed=7, banned_token_ids=placeholder_token_ids(processor))
     engine = make_engine(kind, model_dir, processor)
@@ -51,7 +53,8 @@ def test_engine_matches_trainer_before_and_after_update(kind, model, tiny_vlm_di
         stale = (trainer_logprobs(trainer, processor, prompts, first) - engine_logprobs(first)).abs().max()
         assert stale > 1e-2  # the check below can fail: old weights disagree
 
-        stats = push_weights(trainer, engine, bucket_mb=0.05)  # small buckets split fused layers
+        # As a run syncs (PaddleOCR-VL's weights go to vLLM under their on-disk names); small buckets split fused layers.
+        stats = sync_student(trainer, engine, bucket_mb=0.05)
         assert stats.buckets > 10 and stats.tensors == len(list(trainer.parameters()))
         second = engine.generate(prompts, sampling)
         gap = (trainer_logprobs(trainer, processor, prompts, second) - engine_logprobs(second)).abs().max()

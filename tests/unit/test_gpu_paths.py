@@ -41,8 +41,9 @@ class FakeLLM:
 def sleeping_engine() -> VLLMEngine:
     engine = object.__new__(VLLMEngine)  # no real vLLM: only the sleep bookkeeping is under test
     engine.llm, engine.sleep_mode, engine._asleep, engine._weights_discarded = FakeLLM(), True, set(), False
-    engine.tensor_parallel_size = 1
+    engine.tensor_parallel_size, engine.weight_dtype = 1, torch.float32
     engine._adapter_root, engine._lora_request = None, None
+    engine.frozen_vision, engine.weight_updates = False, 0
     return engine
 
 
@@ -60,6 +61,7 @@ def test_engine_sleeps_at_level_2_and_needs_a_weight_update_before_sampling():
         ("wake_up", ("kv_cache",)),
     ]
     assert engine.generate([], None) == []  # awake with the new weights
+    assert engine.capabilities.discards_weights  # level 2: a frozen vision tower must come with every update
     engine.release_memory()
     engine.release_memory()  # asleep already: one sleep
     assert engine.llm.calls.count(("sleep", 2)) == 2
@@ -68,6 +70,7 @@ def test_engine_sleeps_at_level_2_and_needs_a_weight_update_before_sampling():
 def test_engine_with_adapters_sleeps_at_level_1_and_keeps_its_base_weights(tmp_path, monkeypatch):
     engine = sleeping_engine()
     engine._adapter_root = tmp_path  # adapter sync: the base weights are never pushed again
+    assert not engine.capabilities.discards_weights
     engine.release_memory()
     assert engine.llm.calls == [("sleep", 1)]
     assert not engine._weights_discarded

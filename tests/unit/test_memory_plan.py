@@ -18,9 +18,9 @@ def rows(plan) -> dict[str, float]:
     return {item: gb for item, gb, _ in plan.rows}
 
 
-@pytest.mark.parametrize("which", ["text", "vlm", "qwen"])
-def test_meta_device_counts_equal_the_loaded_model(which, tiny_text_dir, tiny_vlm_dir, tiny_qwen_vl_dir):
-    model_dir = {"text": tiny_text_dir, "vlm": tiny_vlm_dir, "qwen": tiny_qwen_vl_dir}[which]
+@pytest.mark.parametrize("which", ["text", "vlm", "qwen", "qwen3"])
+def test_meta_device_counts_equal_the_loaded_model(which, tiny_text_dir, tiny_vlm_dir, tiny_qwen_vl_dir, tiny_qwen3_vl_dir):
+    model_dir = {"text": tiny_text_dir, "vlm": tiny_vlm_dir, "qwen": tiny_qwen_vl_dir, "qwen3": tiny_qwen3_vl_dir}[which]
     auto = AutoModelForCausalLM if which == "text" else AutoModelForImageTextToText
     loaded = auto.from_pretrained(model_dir, dtype=torch.float32)
     shape = model_shape(hf_config(tiny_config(model_dir).model)[0])
@@ -76,6 +76,17 @@ def test_the_7b_recipes_fit_8_gpus_of_80_gb_and_not_one(recipe):
     assert plan.fits, plan.describe()
     assert plan.peak_gb < HEADROOM * 80
     assert plan_memory(cfg, world_size=1, device_gb=80).fits is False
+
+
+def test_the_qwen3vl_8b_recipes_fit_8_gpus_full_and_one_gpu_with_lora():
+    full = plan_memory(load_config("configs/visual_opsd_qwen3vl_8b.yaml"), world_size=8, device_gb=80)
+    # Qwen3-VL-8B-Instruct as published: 8.767B, of which the vision tower (with DeepStack mergers) 576.4M
+    assert full.shape.parameters == 8_767_123_696
+    assert full.fits, full.describe()
+    lora = plan_memory(load_config("configs/visual_opsd_qwen3vl_8b_lora.yaml"), world_size=1, device_gb=80)
+    # rank 64 on q/k/v/o/gate/up/down of 36 decoder layers (hidden 4096, kv 1024, MLP 12288); no vision layer
+    assert lora.shape.lora_parameters == 36 * 64 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288))
+    assert lora.fits, lora.describe()
 
 
 def test_dry_run_prints_the_memory_plan(capsys):

@@ -107,3 +107,23 @@ def test_prompt_length_check_measures_the_teacher_prompt(processor):
 def test_padding_example_is_one_token():
     example = padding_example(EncodedPrompt([1, 2]), EncodedPrompt([1, 2, 3]), token_id=0)
     assert example.completion_ids == [0] and example.engine_logprobs == [0.0]
+
+
+def test_flat_patches_concatenate_whatever_their_rank(tiny_paddleocr_vl_dir):
+    """PaddleOCR-VL's patches are 4-D ([patches, C, 14, 14]) yet flat like Qwen-VL's 2-D ones: the
+    batch concatenates them beside `image_grid_thw`, it does not pad them per image like Idefics3's."""
+    from PIL import Image
+
+    from opsd.config import ModelConfig
+    from opsd.modeling import load_processor
+    from opsd.prompts import Prompt
+    from opsd.sequences import collate, encode_prompt, flat_patches
+    from opsd.tiny_models import PADDLE_IMAGE
+
+    processor = load_processor(ModelConfig(path=str(tiny_paddleocr_vl_dir)))
+    prompts = [encode_prompt(processor, Prompt(f"{PADDLE_IMAGE * len(sizes)} hi", [Image.new("RGB", s) for s in sizes]))
+               for sizes in ([(112, 60)], [(56, 56), (40, 90)], [])]
+    assert flat_patches(prompts[0].vision) and prompts[0].vision["pixel_values"].dim() == 4
+    batch = collate(prompts, [[5], [6, 7], [8]], pad_id=0)
+    assert batch.inputs["pixel_values"].shape[0] == sum(p.vision["pixel_values"].shape[0] for p in prompts if p.vision)
+    assert batch.inputs["image_grid_thw"].shape == (3, 3)

@@ -1,8 +1,10 @@
-"""Qwen2.5-VL in the trainer: per-token processor outputs and 3-D (mrope) positions.
+"""Qwen2.5-VL and Qwen3-VL in the trainer: per-token processor outputs, 3-D (mrope) positions, DeepStack.
 
 The processor returns `mm_token_type_ids` (one value per prompt id); the model derives its 3-D
-rotary positions from it and `image_grid_thw`. Scoring a padded batch must give every row exactly
-what the model computes for that row alone, unpadded, from the processor's own outputs.
+rotary positions from it and `image_grid_thw`. Qwen3-VL also adds the outputs of early vision blocks
+(DeepStack) to the image tokens' hidden states in the first text layers, matched to the image tokens
+of the whole batch in order. Scoring a padded batch must give every row exactly what the model
+computes for that row alone, unpadded, from the processor's own outputs.
 """
 
 import pytest
@@ -25,9 +27,18 @@ ROWS = [
 ]
 
 
+FAMILIES = {"qwen2.5-vl": ("tiny_qwen_vl_dir", "Qwen2_5_VLProcessor"), "qwen3-vl": ("tiny_qwen3_vl_dir", "Qwen3VLProcessor")}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    fixture, processor_class = FAMILIES[request.param]
+    return request.param, request.getfixturevalue(fixture), processor_class
+
+
 @pytest.fixture(scope="module")
-def qwen(tiny_qwen_vl_dir):
-    cfg = ModelConfig(path=str(tiny_qwen_vl_dir))
+def qwen(family):
+    cfg = ModelConfig(path=str(family[1]))
     processor = load_processor(cfg)
     return processor, load_model(cfg, processor, torch.device("cpu")).eval()
 
@@ -96,25 +107,46 @@ def test_padded_batch_scores_equal_one_unpadded_forward_per_row(qwen):
         expected.append(logprobs)
     assert len({len(p.input_ids) for p in prompts}) == len(ROWS)  # every row pads differently
     batch = collate(prompts, completions, tokenizer.pad_token_id)
+    text_inputs = _record_text_model_inputs(model)
     with torch.no_grad():
         logprobs = completion_logits(model, batch).log_softmax(-1).gather(-1, batch.completion_ids[:, None])[:, 0]
     torch.testing.assert_close(logprobs, torch.cat(expected), atol=1e-5, rtol=0)
+    if getattr(model.config.vision_config, "deepstack_visual_indexes", None):
+        # DeepStack ran on every image token of the batch: one feature row per token, per merger.
+        image_tokens = (batch.inputs["input_ids"] == model.config.image_token_id).sum().item()
+        assert text_inputs["visual_pos_masks"].sum().item() == image_tokens
+        deepstack = text_inputs["deepstack_visual_embeds"]
+        assert len(deepstack) == len(model.config.vision_config.deepstack_visual_indexes) == 2
+        assert all(d.shape[0] == image_tokens for d in deepstack)
 
-    # The 3-D positions matter: without the token types the model falls back to 1-D positions.
-    del batch.inputs["mm_token_type_ids"]
+    # The 3-D positions matter: with plain 1-D positions the scores differ.
+    batch.inputs["position_ids"] = torch.arange(batch.inputs["input_ids"].shape[1]).expand_as(batch.inputs["input_ids"])
     with torch.no_grad():
         flat = completion_logits(model, batch).log_softmax(-1).gather(-1, batch.completion_ids[:, None])[:, 0]
     assert (flat - torch.cat(expected)).abs().max() > 1e-4
 
 
-def test_the_image_only_processor_saves_and_loads_back(qwen, tmp_path, tiny_qwen_vl_dir):
+def _record_text_model_inputs(model) -> dict:
+    """The keyword arguments of the language model's next forward (filled in when it runs)."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen.update(kwargs)
+        handle.remove()
+
+    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def test_the_image_only_processor_saves_and_loads_back(qwen, family, tmp_path):
     import shutil
 
+    _, model_dir, processor_class = family
     processor, _ = qwen
     processor.save_pretrained(tmp_path)  # what a checkpoint's model/ directory gets
-    shutil.copy(tiny_qwen_vl_dir / "config.json", tmp_path)
+    shutil.copy(model_dir / "config.json", tmp_path)
     again = load_processor(ModelConfig(path=str(tmp_path)))
-    assert type(again).__name__ == "Qwen2_5_VLProcessor" and again.video_processor is None
+    assert type(again).__name__ == processor_class and again.video_processor is None
     prompt = prompt_of(processor, *ROWS[0][:2])
     assert prompt_of(again, *ROWS[0][:2]).text == prompt.text
     assert encode_prompt(again, prompt).input_ids == encode_prompt(processor, prompt).input_ids

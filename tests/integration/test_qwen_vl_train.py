@@ -1,4 +1,4 @@
-"""A short run of `opsd.train` on the tiny Qwen2.5-VL (transformers rollouts) with the ThinkMorph schema."""
+"""Short runs of `opsd.train` on the tiny Qwen2.5-VL and Qwen3-VL (transformers rollouts) with the ThinkMorph schema."""
 
 import json
 import math
@@ -11,13 +11,15 @@ from tests.helpers.datafiles import write_thinkmorph
 
 
 @pytest.mark.slow
-def test_three_steps_on_thinkmorph_rows_with_the_hf_engine(tmp_path, tiny_qwen_vl_dir):
+@pytest.mark.parametrize("build, fixture", [("tiny-qwen2.5-vl", "tiny_qwen_vl_dir"), ("tiny-qwen3-vl", "tiny_qwen3_vl_dir")])
+def test_three_steps_on_thinkmorph_rows_with_the_hf_engine(tmp_path, request, build, fixture):
+    model_dir = request.getfixturevalue(fixture)
     data = write_thinkmorph(tmp_path / "tm.parquet", n_good=8, defects=[])
     cfg = load_config("configs/demo.yaml", [
-        f"model.path={tiny_qwen_vl_dir}", "model.build=tiny-qwen2.5-vl", "rollout.engine=hf",
+        f"model.path={model_dir}", f"model.build={build}", "rollout.engine=hf",
         "data.path=null", f"data.datasets=[{{path: {data}, schema: thinkmorph}}]", "data.synthetic=null",
         f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "train.max_steps=3",
-        "rollout.max_new_tokens=12", "eval.every=0", "checkpoint.save_every=0",
+        "rollout.max_new_tokens=12", "train.grad_accum_steps=1", "eval.every=0", "checkpoint.save_every=0",
     ])
     out = train(cfg)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
