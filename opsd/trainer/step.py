@@ -93,7 +93,8 @@ class TrainStep:
                 if on_scored is not None:
                     with timed("rollout_dumps"):
                         on_scored(micro, scored)
-            del scored
+            with timed("free"):  # the micro-batch's [N, V] logits go back to the allocator
+                del scored
         grad_norm = optimizer_step(self.student, self.optimizer, self.max_grad_norm, timed)
         with timed("metrics_reduce"):
             return step_metrics(sums, grad_norm, loss, self.ranks, total_tokens, num_examples=len(examples))
