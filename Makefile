@@ -28,6 +28,7 @@ bench: $(ENV_STAMP)
 	$(PYTHON) bench/rollout_throughput.py
 	$(PYTHON) bench/weight_sync.py
 
-# Does the student learn? SmolLM2 on fictional facts: OPSD beside its controls, JSON + PNG in runs/learn.
+# Does the student learn, and what does it forget? SmolLM2 on fictional facts: OPSD beside its controls and
+# SFT, retention probes in every run; JSON in runs/learn/report.json, a PNG per task in runs/learn/<task>/.
 learn: $(ENV_STAMP)
 	$(PYTHON) bench/learning.py

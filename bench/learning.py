@@ -1,21 +1,33 @@
-"""Does the student learn? Accuracy of a real model before and during self-distillation, with controls.
+"""Does the student learn, and what does it forget? Accuracy and retention of a real model before and
+during self-distillation, beside controls and a supervised baseline, task by task.
 
-Runs the recipe (`python -m opsd.train`, one child process per run, from fresh weights) on
-configs/learn_facts_smollm2.yaml: SmolLM2-135M-Instruct, fictional facts that only the teacher's
-prompt holds, evaluated greedily at step 0 and every `eval.every` steps on held-out question
-phrasings, with the student's prompt and with the teacher's. Runs (`--runs`, all in one report):
+Each task runs the recipe (`python -m opsd.train`, one child process per run, from fresh weights)
+and writes its own section of the report and its own PNG. Tasks (`--tasks`):
 
-    opsd            the recipe as configured
-    no_privileged   the teacher's prompt is the student's (prompts.privileged=[]): divergence 0
-    noise           the fact replaced by an irrelevant true sentence (columns.privileged_text=irrelevant)
-    sft             supervised baseline: cross-entropy on the fact sentences (loss.kind=sft), same steps
+    text_facts   configs/learn_facts_smollm2.yaml: SmolLM2-135M-Instruct, fictional facts that only
+                 the teacher's prompt holds, evaluated greedily at step 0 and every `eval.every` steps
+                 on held-out question phrasings (student's and teacher's prompt), with retention
+                 probes (`eval.retention`: NLL of a held-out text, general questions). Runs (`--runs`):
 
-    .venv/bin/python bench/learning.py [--runs opsd no_privileged noise sft] [--out runs/learn] [key=value ...]
+        opsd            the recipe as configured, `--opsd-steps` long (its first `train.max_steps`
+                        steps are those of a run that long: the schedule is constant)
+        no_privileged   the teacher's prompt is the student's (prompts.privileged=[]): divergence 0
+        noise           the fact replaced by an irrelevant true sentence (columns.privileged_text=irrelevant)
+        sft             supervised baseline: cross-entropy on the fact sentences (loss.kind=sft)
+
+    .venv/bin/python bench/learning.py [--tasks text_facts] [--runs opsd no_privileged noise sft]
+        [--opsd-steps 30] [--out runs/learn] [key=value ...]
 
 The model is converted first (timed apart). Prints progress to stderr and, last, one JSON object to
-stdout: {"runs": {name: {"eval": [{"step", "student_accuracy", "teacher_accuracy", ...}], ...}},
-"acceptance": {...}, ...}; writes it to <out>/report.json and the learning curve to
-<out>/learning_curve.png. `key=value` overrides apply to every run (e.g. train.max_steps=2).
+stdout, also written to <out>/report.json:
+
+    {"tasks": {"text_facts": {"runs": {name: {"eval": [...], "retention": {...}, ...}},
+                              "acceptance": {...}, "opsd_vs_sft": {...}, "png": ..., ...}},
+     "runs": <the text_facts runs, as before tasks>, "acceptance": {...}, "machine": {...}, ...}
+
+A task is a function in TASKS that runs in its own directory <out>/<task> (runs, PNG, its section
+as report.json) and returns its report section; its `acceptance` keys are gathered into the top-level one as `<task>.<key>`. `key=value` overrides apply to
+every run of the text task (e.g. train.max_steps=2).
 """
 
 from __future__ import annotations
@@ -41,6 +53,8 @@ CONTROLS = {
     "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1"],
 }
 STAGES = ("rollout", "train", "weight_sync")
+TRAINING_STAGES = tuple(f"time_{stage}_s" for stage in STAGES)
+COLOURS = {"opsd": "tab:blue", "no_privileged": "tab:gray", "noise": "tab:orange", "sft": "tab:green"}
 
 
 def child_cpu_seconds() -> float:
@@ -67,19 +81,44 @@ def reusable_records(run_dir: Path, max_steps: int) -> list[dict] | None:
     return records if done and records[0]["step"] == 0 else None
 
 
+def eval_points(records: list[dict]) -> list[dict]:
+    """Each evaluation of a run, with `train_s`: the training stages' seconds (rollout, scoring and
+    update, weight sync) of the steps up to it; evaluation and start-up are not in it."""
+    points, train_s = [], 0.0
+    for r in records:
+        train_s += sum(r.get(key, 0.0) for key in TRAINING_STAGES)
+        if "eval/accuracy" in r:
+            points.append({
+                "step": r["step"],
+                "student_accuracy": r["eval/accuracy"],
+                "teacher_accuracy": r.get("eval/teacher_accuracy"),
+                "student_answered": r["eval/answered"],
+                "teacher_answered": r.get("eval/teacher_answered"),
+                "retention_accuracy": r.get("eval/retention_accuracy"),
+                "retention_nll": r.get("eval/retention_nll"),
+                "train_s": train_s,
+                "seconds": r["time_eval_s"],
+                "retention_seconds": r.get("time_retention_s"),
+            })
+    return points
+
+
+def retention_moved(evals: list[dict]) -> dict:
+    """Retention at step 0 and at the last evaluation, and the change (points; nats per token)."""
+    first, last = evals[0], evals[-1]
+    def at(e):
+        return {"step": e["step"], "accuracy": e["retention_accuracy"], "nll": e["retention_nll"]}
+    change = {}
+    if first["retention_accuracy"] is not None:
+        change["accuracy_points"] = round(100 * (last["retention_accuracy"] - first["retention_accuracy"]), 1)
+    if first["retention_nll"] is not None:
+        change["nll"] = last["retention_nll"] - first["retention_nll"]
+    return {"step_0": at(first), "end": at(last), "change": change}
+
+
 def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) -> dict:
     """One run's report from its metrics.jsonl records (wall time None: the sum of its stages)."""
-    evals = [
-        {
-            "step": r["step"],
-            "student_accuracy": r["eval/accuracy"],
-            "teacher_accuracy": r.get("eval/teacher_accuracy"),
-            "student_answered": r["eval/answered"],
-            "teacher_answered": r.get("eval/teacher_answered"),
-            "seconds": r["time_eval_s"],
-        }
-        for r in records if "eval/accuracy" in r
-    ]
+    evals = eval_points(records)
     steps = [r for r in records if r["step"] > 0 and "loss" in r]
     from opsd.loss_kinds import DISTILL_METRICS  # the distillation term is logged under its loss kind's name
 
@@ -94,6 +133,7 @@ def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) ->
     return {
         "eval": evals,
         "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"] if evals else None,
+        "retention": retention_moved(evals) if evals else None,
         "steps": len(steps),
         "completion_tokens": sum(r["completion_tokens"] for r in steps),
         "distill_first_last": [steps[0][distill], steps[-1][distill]] if distill else None,  # sft: none
@@ -105,92 +145,218 @@ def summarise(records: list[dict], wall_s: float | None, cpu_s: float | None) ->
     }
 
 
-def plot(report: dict, path: Path) -> None:
+def eval_at(run: dict, step: int) -> dict | None:
+    return next((e for e in run["eval"] if e["step"] == step), None)
+
+
+def gain_points(run: dict, step: int) -> float | None:
+    """Held-out accuracy gained from step 0 to `step`, in points (None: no evaluation there)."""
+    at = eval_at(run, step)
+    return None if at is None else round(100 * (at["student_accuracy"] - run["eval"][0]["student_accuracy"]), 1)
+
+
+def point(e: dict | None) -> dict | None:
+    """An evaluation as the comparison shows it."""
+    if e is None:
+        return None
+    keys = ("step", "student_accuracy", "retention_accuracy", "retention_nll", "train_s")
+    return {k: e[k] for k in keys}
+
+
+def opsd_vs_sft(runs: dict, steps: int, within_points: float = 10.0) -> dict | None:
+    """OPSD beside the supervised baseline's final evaluation: at its step count, at its training
+    seconds, and at the first evaluation where OPSD comes within `within_points` of its accuracy."""
+    if "opsd" not in runs or "sft" not in runs:
+        return None
+    opsd, sft = runs["opsd"]["eval"], runs["sft"]["eval"]
+    sft_end = sft[-1]
+    target = sft_end["student_accuracy"] - within_points / 100
+    in_time = [e for e in opsd if e["train_s"] <= sft_end["train_s"]]
+    after = [e for e in opsd if e["train_s"] > sft_end["train_s"]]
+    reached = next((e for e in opsd if e["student_accuracy"] >= target - 1e-9), None)
+    best = max(opsd, key=lambda e: e["student_accuracy"])
+    out = {
+        "sft_end": point(sft_end),
+        "target_accuracy": target,
+        "equal_steps": {"opsd": point(eval_at(runs["opsd"], sft_end["step"])), "sft": point(sft_end)},
+        # Training seconds (rollout, update, weight sync; no evaluation, no start-up): opsd's last
+        # evaluation within sft's training time, and its next one, bracket the point of equal time.
+        "equal_training_time": {"opsd": point(in_time[-1] if in_time else None), "opsd_next": point(after[0] if after else None),
+                                "sft": point(sft_end)},
+        "equal_accuracy": {"opsd": point(reached), "sft": point(sft_end)},
+        "opsd_within_points": reached is not None,
+    }
+    if reached is None:
+        short = 100 * (target - best["student_accuracy"])
+        out["note"] = (f"opsd did not come within {within_points:g} points of sft's {100 * sft_end['student_accuracy']:.1f}% "
+                       f"in {opsd[-1]['step']} steps: best {100 * best['student_accuracy']:.1f}% at step {best['step']}, "
+                       f"{short:.1f} points short of the {100 * target:.1f}% target")
+        out["equal_accuracy"]["opsd_closest"] = point(best)
+    return out
+
+
+def text_facts_acceptance(runs: dict, steps: int, comparison: dict | None) -> dict:
+    """The bar, in points (percent) at `steps` (every run's length but opsd's): OPSD +20 from step 0,
+    the controls within 5; and OPSD within 10 of SFT's final accuracy at some evaluation."""
+    out = {f"{name}_gain_points": g for name, run in runs.items() if (g := gain_points(run, steps)) is not None}
+    if "opsd" in runs:
+        out["opsd_gains_20_points"] = out.get("opsd_gain_points", -100) >= 20
+        out["opsd_end_gain_points"] = gain_points(runs["opsd"], runs["opsd"]["eval"][-1]["step"])
+    for control in ("no_privileged", "noise"):
+        if f"{control}_gain_points" in out:
+            out[f"{control}_moves_under_5_points"] = abs(out[f"{control}_gain_points"]) < 5
+    if comparison is not None:
+        out["opsd_within_10_points_of_sft"] = comparison["opsd_within_points"]
+    return out
+
+
+def plot_text_facts(task: dict, path: Path) -> None:
+    """Held-out accuracy (left) and retention (general questions, held-out text NLL) by step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.6, 4.2))
-    colours = {"opsd": "tab:blue", "no_privileged": "tab:gray", "noise": "tab:orange", "sft": "tab:green"}
+    fig, (acc, questions, nll) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.3, 1, 1]})
     base = None
-    for name, run in report["runs"].items():
+    for name, run in task["runs"].items():
         steps = [e["step"] for e in run["eval"]]
-        colour = colours.get(name, None)
-        ax.plot(steps, [100 * e["student_accuracy"] for e in run["eval"]], "o-", color=colour, label=f"{name}: student")
+        colour = COLOURS.get(name)
+        acc.plot(steps, [100 * e["student_accuracy"] for e in run["eval"]], "o-", color=colour, label=f"{name}: student")
         if name == "opsd" and run["eval"][0]["teacher_accuracy"] is not None:
-            ax.plot(steps, [100 * e["teacher_accuracy"] for e in run["eval"]], "s--", color=colour, alpha=0.6,
-                    label="opsd: teacher prompt")
+            acc.plot(steps, [100 * e["teacher_accuracy"] for e in run["eval"]], "s--", color=colour, alpha=0.6,
+                     label="opsd: teacher prompt")
+        if run["eval"][0]["retention_accuracy"] is not None:
+            questions.plot(steps, [100 * e["retention_accuracy"] for e in run["eval"]], "o-", color=colour, label=name)
+        if run["eval"][0]["retention_nll"] is not None:
+            nll.plot(steps, [e["retention_nll"] for e in run["eval"]], "o-", color=colour, label=name)
         if base is None:
             base = 100 * run["eval"][0]["student_accuracy"]
     if base is not None:
-        ax.axhline(base, color="black", linewidth=0.8, linestyle=":", label="base model (step 0)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("held-out accuracy, greedy (%)")
-    ax.set_ylim(-2, 102)
-    ax.set_title(report["task"]["title"], fontsize=10)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the curves, not on them
-    ax.grid(alpha=0.3)
+        acc.axhline(base, color="black", linewidth=0.8, linestyle=":", label="base model (step 0)")
+    acc.set_ylabel("held-out accuracy, greedy (%)")
+    acc.set_ylim(-2, 102)
+    acc.set_title(task["title"], fontsize=9)
+    questions.set_ylabel("general questions right, greedy (%)")
+    questions.set_ylim(-2, 102)
+    questions.set_title(f"retention: {task['retention'].get('questions') or 'no'} questions the base model knew", fontsize=9)
+    nll.set_ylabel("NLL of a held-out text (nats/token, lower is better)")
+    nll.set_title(f"retention: {task['retention'].get('text') or 'no text probe'}", fontsize=9)
+    for ax in (acc, questions, nll):
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    acc.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def acceptance(runs: dict) -> dict:
-    """The issue's bar, in points (percent): OPSD +20 from step 0, the no-privileged control < 5."""
-    gain = {name: round(100 * run["student_gain"], 1) for name, run in runs.items() if run["student_gain"] is not None}
-    out = {f"{name}_gain_points": g for name, g in gain.items()}
-    if "opsd" in gain:
-        out["opsd_gains_20_points"] = gain["opsd"] >= 20
-    if "no_privileged" in gain:
-        out["no_privileged_moves_under_5_points"] = abs(gain["no_privileged"]) < 5
-    return out
+def text_facts_task(args, out: Path, progress) -> dict:
+    """The fictional-facts task: every run of `args.runs` in `out`; `progress(section)` after each."""
+    from opsd.config import load_config
+    from opsd.trainer.summary import read_records
 
-
-def write_report(cfg, args, runs: dict, conversion: dict, out: Path, started: float, load_start, speed=None) -> dict:
-    """The report of the runs so far, written to <out>/report.json with its learning curve PNG."""
-    report = {
-        "task": {
-            "title": "SmolLM2-135M-Instruct learns fictional facts only its teacher's prompt holds",
-            "config": args.config,
-            "facts": cfg.data.datasets[0].synthetic.n_facts if cfg.data.datasets[0].synthetic else None,
-            "eval_items": cfg.eval.num_samples,
-            "eval": "greedy, held-out question phrasings, answer = last task value named",
-            "steps": cfg.train.max_steps,
-            "sequences_per_step": cfg.prompts_per_step * cfg.rollout.samples_per_prompt,
-        },
-        "command": " ".join(["python bench/learning.py", "--runs", *args.runs, *args.overrides]),
-        "runs": runs,
-        "acceptance": acceptance(runs),
-        "conversion": conversion,
-        # A reused run counts with its stages' time (its startup is not known).
-        "total_wall_s": time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused")),
-        "total_cpu_s": conversion["cpu_s"] + sum(r["cpu_s"] or 0.0 for r in runs.values()),
-        "machine": {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()},
-        "speed": speed,
+    cfg = load_config(ROOT / args.config, args.overrides)
+    steps = cfg.train.max_steps
+    opsd_steps = max(args.opsd_steps or steps, steps)
+    dataset, retention = cfg.data.datasets[0], cfg.eval.retention
+    task = {
+        "title": "SmolLM2-135M-Instruct learns fictional facts only its teacher's prompt holds",
+        "config": args.config,
+        "facts": dataset.synthetic.n_facts if dataset.synthetic else None,
+        "eval_items": cfg.eval.num_samples,
+        "eval": "greedy, held-out question phrasings, answer = last task value named",
+        "retention": {"text": retention.text, "text_tokens": retention.text_tokens, "questions": retention.questions,
+                      "system": retention.system} if retention else {},
+        "steps": steps,
+        "opsd_steps": opsd_steps,
+        "sequences_per_step": cfg.prompts_per_step * cfg.rollout.samples_per_prompt,
+        "runs": {},
+        "png": str(out / "learning_curve.png"),
     }
-    report["acceptance"]["under_30_minutes"] = report["total_wall_s"] < 1800
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    plot(report, out / "learning_curve.png")
-    return report
+    started = time.perf_counter()
+    section_file = out / "report.json"
+    earlier = json.loads(section_file.read_text()).get("runs", {}) if args.keep and section_file.exists() else {}
+
+    def write() -> None:
+        runs = task["runs"]
+        task["opsd_vs_sft"] = opsd_vs_sft(runs, steps)
+        task["acceptance"] = text_facts_acceptance(runs, steps, task["opsd_vs_sft"])
+        # A reused run counts with its measured time (or, from records alone, its stages' time).
+        task["wall_s"] = time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused"))
+        task["cpu_s"] = sum(r["cpu_s"] or 0.0 for r in runs.values())
+        task["acceptance"]["under_20_minutes"] = task["wall_s"] < 1200
+        section_file.write_text(json.dumps(task, indent=1))
+        plot_text_facts(task, out / "learning_curve.png")
+        progress(task)
+
+    for name in args.runs:
+        run_dir = out / name
+        run_steps = opsd_steps if name == "opsd" else steps
+        kept = reusable_records(run_dir, run_steps) if args.keep else None
+        if kept:
+            measured = earlier.get(name, {})
+            if measured.get("steps") == run_steps and measured.get("wall_s"):  # its wall and CPU time as measured
+                task["runs"][name] = {**measured, "reused": True}
+            else:
+                task["runs"][name] = {"overrides": CONTROLS[name], "reused": True, **summarise(kept, None, None)}
+            print(f"  {name}: reused {run_dir} up to step {run_steps}", file=sys.stderr, flush=True)
+            continue
+        if run_dir.exists():
+            import shutil
+
+            shutil.rmtree(run_dir)  # a fresh run every time (the recipe would resume a finished one)
+        overrides = [*args.overrides, *CONTROLS[name], f"train.max_steps={run_steps}", f"logging.output_dir={run_dir}",
+                     "logging.progress_bar=false"]
+        print(f"run {name}: python -m opsd.train --config {args.config} {' '.join(overrides)}", file=sys.stderr, flush=True)
+        wall, cpu = run_child(["-m", "opsd.train", "--config", args.config, *overrides], out / f"{name}.log")
+        task["runs"][name] = {"overrides": CONTROLS[name], **summarise(read_records(run_dir / "metrics.jsonl"), wall, cpu)}
+        evals = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}/{e['teacher_accuracy']}" for e in task["runs"][name]["eval"])
+        moved = task["runs"][name]["retention"]["change"]
+        print(f"  {name}: student/teacher accuracy by step {evals}; retention moved {moved} ({wall:.0f} s, {cpu:.0f} CPU s)",
+              file=sys.stderr, flush=True)
+        write()  # what is done so far is kept
+    write()
+    return task
+
+
+TASKS = {"text_facts": text_facts_task}
+"""Task name -> function(args, its own directory, progress) -> the task's report section, holding
+`acceptance`, `png`, `wall_s` and `cpu_s`; it calls `progress(section so far)` as its runs finish."""
+
+
+def profile_speed(args, out: Path) -> dict:
+    """bench/step_profile.py with `--profile-steps` steps: the report's `speed` key."""
+    print(f"profiling {args.profile_steps} steps (bench/step_profile.py) ...", file=sys.stderr, flush=True)
+    profile = out / "step_profile.json"
+    with profile.open("w") as stdout, (out / "step_profile.log").open("w") as stderr:
+        done = subprocess.run([sys.executable, "bench/step_profile.py", "--config", args.config, "--steps",
+                               str(args.profile_steps), *args.overrides], cwd=ROOT, stdout=stdout, stderr=stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"bench/step_profile.py failed; see {out / 'step_profile.log'}")
+    return json.loads(profile.read_text().strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=list(CONTROLS))
-    parser.add_argument("--config", default=CONFIG)
-    parser.add_argument("--out", default="runs/learn", help="run directories, report.json and the PNG go here")
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=list(CONTROLS),
+                        help="text_facts: the runs")
+    parser.add_argument("--opsd-steps", type=int, default=30,
+                        help="text_facts: steps of the opsd run (the others run train.max_steps)")
+    parser.add_argument("--config", default=CONFIG, help="text_facts: the recipe")
+    parser.add_argument("--out", default="runs/learn", help="run directories, report.json and the PNGs go here")
     parser.add_argument("--keep", action="store_true",
-                        help="reuse a run directory whose metrics.jsonl already reaches train.max_steps (an "
-                             "interrupted benchmark, or a longer run with a constant schedule): its records up to "
-                             "max_steps are reported, its wall time is the sum of its stages, its CPU time unknown")
-    parser.add_argument("--profile-steps", type=int, default=2,
-                        help="after the runs, bench/step_profile.py with this many steps (0 = skip): the 'speed' key")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
+                        help="reuse a run directory whose metrics.jsonl already reaches its steps (an interrupted "
+                             "benchmark, or a longer run with a constant schedule): its records up to those steps "
+                             "are reported with the wall and CPU time the task's report.json measured for that many "
+                             "steps, else with the sum of its stages and no CPU time")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the tasks, bench/step_profile.py with this many steps (0 = skip): the 'speed' key")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every text_facts run")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from opsd.config import load_config
-    from opsd.trainer.summary import read_records
 
     out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,40 +372,38 @@ def main(argv: list[str] | None = None) -> int:
             ["-m", "opsd.convert_smollm2", "--out", str(model_dir)], out / "convert.log"
         )
 
-    runs = {}
-    for name in args.runs:
-        run_dir = out / name
-        kept = reusable_records(run_dir, cfg.train.max_steps) if args.keep else None
-        if kept:
-            runs[name] = {"overrides": CONTROLS[name], "reused": True, **summarise(kept, None, None)}
-            print(f"  {name}: reused {run_dir} up to step {cfg.train.max_steps}", file=sys.stderr, flush=True)
-            continue
-        if run_dir.exists():
-            import shutil
+    report = {
+        "command": " ".join(["python bench/learning.py", *(sys.argv[1:] if argv is None else argv)]),
+        "tasks": {},
+        "conversion": conversion,
+    }
 
-            shutil.rmtree(run_dir)  # a fresh run every time (the recipe would resume a finished one)
-        overrides = [*args.overrides, *CONTROLS[name], f"logging.output_dir={run_dir}",
-                     "logging.progress_bar=false"]
-        print(f"run {name}: python -m opsd.train --config {args.config} {' '.join(overrides)}", file=sys.stderr, flush=True)
-        wall, cpu = run_child(["-m", "opsd.train", "--config", args.config, *overrides], out / f"{name}.log")
-        runs[name] = {"overrides": CONTROLS[name], **summarise(read_records(run_dir / "metrics.jsonl"), wall, cpu)}
-        evals = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}/{e['teacher_accuracy']}" for e in runs[name]["eval"])
-        print(f"  {name}: student/teacher accuracy by step {evals} ({wall:.0f} s)", file=sys.stderr, flush=True)
-        write_report(cfg, args, runs, conversion, out, started, load_start)  # what is done so far is kept
+    def write() -> None:
+        tasks = report["tasks"]
+        report["runs"] = tasks.get("text_facts", {}).get("runs", {})  # where they were before tasks
+        report["acceptance"] = {f"{name}.{key}": value for name, task in tasks.items()
+                                for key, value in task.get("acceptance", {}).items()}
+        # A reused run (--keep) counts with the time it took when it ran, as in its task's wall_s.
+        reused_s = sum(run["wall_s"] for task in tasks.values() for run in task.get("runs", {}).values() if run.get("reused"))
+        report["total_wall_s"] = time.perf_counter() - started + reused_s
+        report["total_cpu_s"] = conversion["cpu_s"] + sum(task.get("cpu_s", 0.0) for task in tasks.values())
+        # The 45 minutes of `make learn` from a fresh clone hold about 3 of .venv creation.
+        report["acceptance"]["under_42_minutes"] = report["total_wall_s"] < 42 * 60
+        report["machine"] = {"cpus": os.cpu_count(), "load_average_start": load_start, "load_average_end": os.getloadavg()}
+        (out / "report.json").write_text(json.dumps(report, indent=1))
 
-    speed = None
+    for name in args.tasks:
+        def progress(section: dict, name: str = name) -> None:
+            report["tasks"][name] = section
+            write()
+
+        (out / name).mkdir(exist_ok=True)
+        progress(TASKS[name](args, out / name, progress))
     if args.profile_steps:
-        print(f"profiling {args.profile_steps} steps (bench/step_profile.py) ...", file=sys.stderr, flush=True)
-        profile = out / "step_profile.json"
-        with profile.open("w") as stdout:
-            done = subprocess.run([sys.executable, "bench/step_profile.py", "--config", args.config, "--steps",
-                                   str(args.profile_steps), *args.overrides], cwd=ROOT, stdout=stdout,
-                                  stderr=(out / "step_profile.log").open("w"))
-        if done.returncode != 0:
-            raise SystemExit(f"bench/step_profile.py failed; see {out / 'step_profile.log'}")
-        speed = json.loads(profile.read_text().strip().splitlines()[-1])
-    report = write_report(cfg, args, runs, conversion, out, started, load_start, speed)
-    print(f"report: {out / 'report.json'}; learning curve: {out / 'learning_curve.png'}", file=sys.stderr)
+        report["speed"] = profile_speed(args, out)
+    write()
+    pngs = ", ".join(task["png"] for task in report["tasks"].values())
+    print(f"report: {out / 'report.json'}; curves: {pngs}", file=sys.stderr)
     print(json.dumps(report))
     return 0
 

@@ -109,6 +109,9 @@ class SyntheticDataConfig:
     """grid-paths only."""
     n_facts: Annotated[int, Field(gt=0)] | None = None
     """facts only: how many facts the questions are about (default n_eval, one held-out question each)."""
+    n_validation: Annotated[int, Field(ge=0)] = 0
+    """facts only: rows of a `validation` split, asked with phrasings used neither in training nor in
+    `eval`: choose settings on it (`eval_split: validation`), report on `eval`; 0 = none."""
 
 
 SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text"}
@@ -461,6 +464,48 @@ class TrainConfig:
 
 
 @dataclass(config=_STRICT)
+class RetentionConfig:
+    """What the model knew before training and the training data does not teach, measured at step
+    0 and at every evaluation (`eval/retention_*`; see docs/training.md, Retention): a text's likelihood
+    and a few greedy answers, a fraction of the evaluation they join."""
+
+    text: str | None = "transformers:LICENSE"
+    """Language-modelling probe: the student's mean negative log-likelihood per token of a text no
+    task trains on (`eval/retention_nll`, nats; lower is better). `package:file`: a file that the
+    installed distribution `package` ships, found among its files by the end of its path (the
+    default is the Apache License 2.0 text that transformers ships, the same in every version);
+    anything else is a path to a UTF-8 text file. None = off."""
+    text_tokens: Annotated[int, Field(gt=1)] = 1024
+    """Score the text's first this many tokens (all of it when shorter)."""
+    chunk_tokens: Annotated[int, Field(gt=1)] = 256
+    """Tokens per scored piece, one forward each; a piece's first token is context only."""
+    questions: str | None = "general"
+    """Greedy-answer probe through the rollout engine (`eval/retention_accuracy`): `general`, 24
+    general-knowledge questions that SmolLM2-135M-Instruct answers right at step 0
+    (`opsd/data/retention_questions.py`), or a JSON-lines file of `{"question": ..., "answers": [...]}`
+    rows (right when an answer appears in the completion as a whole word, case aside). None = off."""
+    system: str = "You are a helpful assistant. Answer the question briefly."
+    """System prompt of the question probe: a plain assistant's, not the task's `prompts.system`,
+    whose format rules (`<think>`, `<answer>`) the student learns in training and the questions'
+    answers need not follow."""
+    max_new_tokens: Annotated[int, Field(gt=0)] = 16
+    """Longest greedy answer to a question."""
+
+    @field_validator("text", "questions")
+    @classmethod
+    def _not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("empty: name a source, or null to turn this probe off")
+        return value
+
+    @model_validator(mode="after")
+    def _some_probe(self) -> "RetentionConfig":
+        if self.text is None and self.questions is None:
+            raise ValueError("text and questions are both off: set one, or drop eval.retention")
+        return self
+
+
+@dataclass(config=_STRICT)
 class EvalConfig:
     every: Annotated[int, Field(ge=0)] = 0
     """Evaluate before the first step (logged as step 0), every this many optimizer steps and after
@@ -473,6 +518,9 @@ class EvalConfig:
     """Regex; the last match in a completion is its answer (group 1 if the pattern has groups)."""
     with_teacher_prompt: bool = False
     """Also evaluate with the teacher's prompt (`eval/teacher_accuracy`): the privileged gap."""
+    retention: RetentionConfig | None = None
+    """Also measure what the model knew before training (`eval/retention_*`) at step 0 and at every
+    evaluation; `retention: {}` takes the defaults. None = off."""
 
     @field_validator("answer_pattern")
     @classmethod
@@ -482,6 +530,12 @@ class EvalConfig:
         except re.error as err:
             raise ValueError(f"not a valid regular expression: {err}") from None
         return pattern
+
+    @model_validator(mode="after")
+    def _retention_needs_evaluations(self) -> "EvalConfig":
+        if self.retention is not None and self.every == 0:
+            raise ValueError("retention is measured at evaluations: set eval.every > 0 (or drop eval.retention)")
+        return self
 
 
 @dataclass(config=_STRICT)

@@ -99,16 +99,28 @@ def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig,
 
 
 class Evaluator:
-    """The run's evaluation set and settings; `run_if_due(step, engine)` -> metrics or {}."""
+    """The run's evaluation set and settings, and its retention probes (`eval.retention`);
+    `run_if_due(step, engine, ranks, student)` -> metrics or {}."""
 
     def __init__(self, cfg, processor, *, check=None, multimodal: bool = True):
         from opsd.data.dataset import split_samples
+        from opsd.retention import RetentionProbe
 
         self.samples, counts = split_samples(cfg, cfg.eval.num_samples, split="eval", check=check, multimodal=multimodal)
         self.data_counts = {f"data/eval_{key}": n for key, n in sorted(counts.items())}
         self.processor, self.prompt_cfg, self.cfg, self.max_steps = processor, cfg.prompts, cfg.eval, cfg.train.max_steps
+        retention = cfg.eval.retention
+        self.retention = RetentionProbe.build(retention, processor, cfg.model.dtype) if retention else None
 
-    def run_if_due(self, step: int, engine, ranks=None) -> dict:
+    def run_if_due(self, step: int, engine, ranks=None, student=None) -> dict:
+        """With retention probes, `student` is the trainer's model (the text probe scores with it);
+        `time_eval_s` covers both, `time_retention_s` the probes alone."""
         if not eval_due(step, self.cfg, self.max_steps):
             return {}
-        return {**evaluate(engine, self.samples, self.processor, self.prompt_cfg, self.cfg, ranks), **self.data_counts}
+        metrics = {**evaluate(engine, self.samples, self.processor, self.prompt_cfg, self.cfg, ranks), **self.data_counts}
+        if self.retention is not None:
+            t0 = time.perf_counter()
+            metrics.update(self.retention.measure(student, engine, ranks))
+            metrics["time_retention_s"] = time.perf_counter() - t0
+            metrics["time_eval_s"] += metrics["time_retention_s"]
+        return metrics

@@ -219,7 +219,7 @@ def advance_schedules(run: Run, timed: Timed = untimed) -> None:
 def baseline_evaluation(run: Run) -> None:
     """With evaluation on, a fresh run is evaluated before its first step, logged as step 0."""
     if run.evaluator is not None and run.start_step == 0:
-        run.logger.log(0, run.evaluator.run_if_due(0, run.engine, run.ranks))
+        run.logger.log(0, run.evaluator.run_if_due(0, run.engine, run.ranks, run.student))
 
 
 def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None) -> None:
@@ -227,7 +227,7 @@ def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None
     if rollouts:
         recorder, examples, samples = rollouts
         recorder.write(run.output_dir / ROLLOUTS_SUBDIR, step, examples, samples, run.processor, run.cfg.prompts)
-    evaluation = run.evaluator.run_if_due(step, run.engine, run.ranks) if run.evaluator else {}
+    evaluation = run.evaluator.run_if_due(step, run.engine, run.ranks, run.student) if run.evaluator else {}
     record = {**record, **run.stream.metrics(), **evaluation}
     run.logger.log(step, record)
     run.checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end

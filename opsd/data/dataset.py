@@ -95,7 +95,8 @@ def prepare(dataset: DatasetConfig) -> None:
     elif s.kind == "facts":
         from opsd.data.facts import write_dataset
 
-        write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, n_facts=s.n_facts)
+        write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, n_facts=s.n_facts,
+                      n_validation=s.n_validation)
     else:
         from opsd.data.arithmetic import write_dataset
 

@@ -7,12 +7,15 @@ that self-distillation has to move into the student's weights. Evaluation asks a
 facts with question phrasings never used in training, so a student that only learned a question
 string does not score.
 
-There are `n_facts` people (one fact each; default `n_eval`). Row i of either split asks about fact
-i % n_facts, with phrasing (i // n_facts) of that split's phrasings: 3 training phrasings and 4
-held-out ones per kind of fact. Everything is a pure function of `seed`.
+There are `n_facts` people (one fact each; default `n_eval`). Row i of a split asks about fact
+i % n_facts, with phrasing (i // n_facts) of that split's phrasings: 3 training phrasings, 4 held-out
+ones and 3 validation ones per kind of fact, each set disjoint from the others. The validation split
+is for choosing settings (learning rate, loss) without looking at the held-out phrasings that the
+reported accuracy uses. Everything is a pure function of `seed`.
 
 Files written by `write_dataset` (JSON lines, the text schema plus one column):
-    train.jsonl, eval.jsonl   {"id", "problem", "solution", "answer", "irrelevant"}
+    train.jsonl, eval.jsonl, validation.jsonl (when n_validation > 0)
+        {"id", "problem", "solution", "answer", "irrelevant"}
 `solution` is the fact; `irrelevant` is a true but unrelated sentence of similar length (the
 noise control: point `columns.privileged_text` at it).
 """
@@ -36,7 +39,9 @@ class Relation:
     train: tuple[str, ...]
     """Question phrasings used in training."""
     held_out: tuple[str, ...]
-    """Question phrasings used only in evaluation."""
+    """Question phrasings used only in evaluation (the `eval` split)."""
+    validation: tuple[str, ...]
+    """Question phrasings of the `validation` split, for choosing settings."""
     values: tuple[str, ...]
 
 
@@ -47,6 +52,8 @@ RELATIONS = (
                "{who} has a favourite fruit. Which one is it?"),
         held_out=("Name the fruit that {who} loves most.", "If you gave {who} a fruit, which would please them most?",
                   "Tell me {who}'s preferred fruit.", "Of all fruits, which one is {who}'s top choice?"),
+        validation=("Which fruit does {who} enjoy more than any other?", "What fruit would {who} choose as a treat?",
+                    "Say which fruit {who} likes most."),
         values=("apple", "banana", "cherry", "mango", "lemon", "grape", "peach", "plum", "pear", "melon"),
     ),
     Relation(
@@ -55,6 +62,8 @@ RELATIONS = (
                "{who} owns a pet. What animal is it?"),
         held_out=("Name the animal that lives with {who} as a pet.", "What species is {who}'s pet?",
                   "Tell me which animal {who} looks after at home.", "If you visited {who}, which pet would greet you?"),
+        validation=("Which animal is {who}'s pet?", "What pet would you find in {who}'s home?",
+                    "Say what kind of animal {who} keeps."),
         values=("cat", "dog", "horse", "rabbit", "parrot", "turtle", "goat", "snake", "mouse", "duck"),
     ),
     Relation(
@@ -62,6 +71,8 @@ RELATIONS = (
         train=("In which city does {who} live?", "Where does {who} live?", "{who} lives in a city. Which one?"),
         held_out=("Name the city that is home to {who}.", "What is the home city of {who}?",
                   "Tell me the city where {who} has a home.", "If you wrote {who} a letter, to which city would it go?"),
+        validation=("Which city is {who}'s home?", "In what city is {who}'s house?",
+                    "Say which city {who} calls home."),
         values=("Paris", "London", "Tokyo", "Cairo", "Rome", "Lima", "Oslo", "Madrid", "Sydney", "Berlin"),
     ),
     Relation(
@@ -69,6 +80,8 @@ RELATIONS = (
         train=("What is {who}'s job?", "What does {who} do for a living?", "{who} has a job. What is it?"),
         held_out=("Name the profession of {who}.", "Which occupation does {who} have?",
                   "Tell me how {who} earns money.", "If you met {who} at work, what would their job be?"),
+        validation=("What work does {who} do?", "Which job does {who} have?",
+                    "Say what {who} does for work."),
         values=("baker", "doctor", "pilot", "farmer", "teacher", "painter", "sailor", "lawyer", "nurse", "chef"),
     ),
 )
@@ -120,27 +133,33 @@ def _row(seed: int, split: str, index: int, fact: dict, question: str) -> dict:
     }
 
 
-def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None) -> tuple[list[dict], list[dict]]:
-    """(train rows, eval rows) about `n_facts` facts (default `n_eval`): row i of a split asks about
-    fact i % n_facts, with phrasing i // n_facts of that split's phrasings (cycled)."""
+PHRASINGS_OF_SPLIT = {"train": "train", "eval": "held_out", "validation": "validation"}
+"""The `Relation` field each split takes its question phrasings from."""
+
+
+def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, n_validation: int = 0) -> dict[str, list[dict]]:
+    """Rows by split (`train`, `eval`, `validation`) about `n_facts` facts (default `n_eval`): row i of
+    a split asks about fact i % n_facts, with phrasing i // n_facts of that split's phrasings (cycled)."""
     n_facts = n_eval if n_facts is None else n_facts
     if n_facts < 1:
         raise ValueError(f"the facts task needs at least one fact: n_facts={n_facts}, n_eval={n_eval}")
     facts = make_facts(seed, n_facts)
-    rows = {"train": [], "eval": []}
-    for split, count in (("train", n_train), ("eval", n_eval)):
+    rows = {}
+    for split, count in (("train", n_train), ("eval", n_eval), ("validation", n_validation)):
+        rows[split] = []
         for i in range(count):
             fact = facts[i % n_facts]
-            relation = RELATIONS[fact["relation"]]
-            phrasings = relation.train if split == "train" else relation.held_out
+            phrasings = getattr(RELATIONS[fact["relation"]], PHRASINGS_OF_SPLIT[split])
             rows[split].append(_row(seed, split, i, fact, phrasings[(i // n_facts) % len(phrasings)]))
-    return rows["train"], rows["eval"]
+    return rows
 
 
-def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts: int | None = None) -> pathlib.Path:
-    """Write train.jsonl and eval.jsonl under out_dir; return out_dir."""
+def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts: int | None = None,
+                  n_validation: int = 0) -> pathlib.Path:
+    """Write train.jsonl, eval.jsonl (and validation.jsonl when asked for rows) under out_dir; return out_dir."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in zip(("train", "eval"), make_rows(seed, n_train, n_eval, n_facts)):
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for name, rows in make_rows(seed, n_train, n_eval, n_facts, n_validation).items():
+        if rows or name != "validation":
+            (out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return out

@@ -17,7 +17,8 @@ from opsd.trainer.console import THIRD_PARTY_LOG
 SUMMARY_FILE = "summary.json"
 STAGES = ("rollout", "train", "weight_sync", "eval")
 """The stages every step record times as `time_{stage}_s` (train = scoring, backward and optimizer step)."""
-FIRST_LAST_KEYS = ("loss", *DISTILL_METRICS, "eval/accuracy", "eval/teacher_accuracy")
+FIRST_LAST_KEYS = ("loss", *DISTILL_METRICS, "eval/accuracy", "eval/teacher_accuracy", "eval/retention_accuracy",
+                   "eval/retention_nll")
 
 
 def read_records(path: Path) -> list[dict]:
@@ -89,12 +90,18 @@ def what_it_showed(metrics: dict) -> str:
         elif fl["first"]:
             change = (fl["last"] - fl["first"]) / fl["first"]
             parts.append(f"the divergence ({key}) {'fell' if change < 0 else 'rose'} {abs(change):.0%} {steps}")
-    for key, name in (("eval/accuracy", "student accuracy"), ("eval/teacher_accuracy", "teacher-prompt accuracy")):
+    for key, name in (("eval/accuracy", "student accuracy"), ("eval/teacher_accuracy", "teacher-prompt accuracy"),
+                      ("eval/retention_accuracy", "retention (general questions)")):
         fl = metrics.get(key)
         if fl and fl["first_step"] != fl["last_step"]:
             delta = 100 * (fl["last"] - fl["first"])
             moved = "did not move" if delta == 0 else f"moved {delta:+.1f} points"
             parts.append(f"{name} {moved} ({fl['first']:.3g} -> {fl['last']:.3g})")
+    fl = metrics.get("eval/retention_nll")
+    if fl and fl["first_step"] != fl["last_step"]:
+        delta = fl["last"] - fl["first"]
+        moved = "did not move" if delta == 0 else f"{'rose' if delta > 0 else 'fell'} {abs(delta):.3g} nats/token"
+        parts.append(f"retention NLL of the held-out text {moved} ({fl['first']:.4g} -> {fl['last']:.4g}; lower is better)")
     return "; ".join(parts) or "nothing to compare (fewer than two steps or evaluations)"
 
 

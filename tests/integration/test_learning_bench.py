@@ -14,26 +14,38 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_two_step_runs_report_every_run_side_by_side(tmp_path):
     out = tmp_path / "learn"
     done = subprocess.run(
-        [sys.executable, "bench/learning.py", "--runs", "opsd", "no_privileged", "noise", "sft", "--out", str(out),
+        [sys.executable, "bench/learning.py", "--runs", "opsd", "no_privileged", "noise", "sft", "--opsd-steps", "3",
+         "--profile-steps", "2", "--out", str(out),
          f"model.path={tmp_path / 'tiny-text'}", "model.build=tiny-text", "rollout.engine=hf",
          f"data.datasets.0.path={tmp_path / 'facts'}", "data.datasets.0.synthetic.n_facts=4",
          "data.datasets.0.synthetic.n_train=8", "data.datasets.0.synthetic.n_eval=8", "eval.num_samples=8",
          "train.max_steps=2", "eval.every=1", "train.prompts_per_micro_step=2", "rollout.max_new_tokens=6",
-         "eval.max_new_tokens=6"],
+         "eval.max_new_tokens=6", "eval.retention.text_tokens=64", "eval.retention.chunk_tokens=32",
+         "eval.retention.max_new_tokens=4"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])  # the last JSON object on stdout
     assert report == json.loads((out / "report.json").read_text())
+    task = report["tasks"]["text_facts"]
+    assert report["runs"] == task["runs"]  # where they were before tasks
     assert set(report["runs"]) == {"opsd", "no_privileged", "noise", "sft"}
     for name, run in report["runs"].items():
-        assert [e["step"] for e in run["eval"]] == [0, 1, 2], name
+        steps = [0, 1, 2, 3] if name == "opsd" else [0, 1, 2]
+        assert [e["step"] for e in run["eval"]] == steps, name
         for e in run["eval"]:
             assert 0 <= e["student_accuracy"] <= 1 and 0 <= e["teacher_accuracy"] <= 1
-        assert run["steps"] == 2 and run["completion_tokens"] > 0
+            assert 0 <= e["retention_accuracy"] <= 1 and e["retention_nll"] > 0 and e["retention_seconds"] > 0
+        assert run["retention"]["step_0"]["step"] == 0 and run["retention"]["end"]["step"] == steps[-1]
+        assert set(run["retention"]["change"]) == {"accuracy_points", "nll"}
+        assert run["steps"] == steps[-1] and run["completion_tokens"] > 0
         assert run["student_gain"] == run["eval"][-1]["student_accuracy"] - run["eval"][0]["student_accuracy"]
         assert set(run["stage_s"]) >= {"rollout", "train", "weight_sync", "eval"}
         assert run["wall_s"] > 0 and run["cpu_s"] > 0
+    # Every run starts from the same weights: the same retention at step 0.
+    assert len({json.dumps(run["retention"]["step_0"]) for run in report["runs"].values()}) == 1
+    # Training moved the weights, and the text probe with them.
+    assert report["runs"]["sft"]["retention"]["change"]["nll"] != 0
     # No privileged information: the teacher's prompt is the student's, so both answer alike and the
     # divergence is 0 up to float rounding (nothing to learn from).
     control = report["runs"]["no_privileged"]
@@ -41,12 +53,21 @@ def test_two_step_runs_report_every_run_side_by_side(tmp_path):
     assert max(control["distill_first_last"]) < 1e-6
     assert report["runs"]["sft"]["distill_first_last"] is None  # sft has no distillation term to log
     assert report["runs"]["opsd"]["distill_first_last"][0] > 1e-3
-    assert {"opsd_gain_points", "opsd_gains_20_points", "no_privileged_moves_under_5_points",
-            "under_30_minutes"} <= set(report["acceptance"])
+    comparison = task["opsd_vs_sft"]
+    assert comparison["equal_steps"]["opsd"]["step"] == 2 and comparison["sft_end"]["step"] == 2
+    assert comparison["equal_accuracy"]["opsd"] is not None or "note" in comparison
+    assert {"text_facts.opsd_gain_points", "text_facts.opsd_gains_20_points", "text_facts.noise_moves_under_5_points",
+            "text_facts.no_privileged_moves_under_5_points", "text_facts.opsd_within_10_points_of_sft",
+            "under_42_minutes"} <= set(report["acceptance"])
+    # The run's own summary says how retention moved.
+    summary = json.loads((out / "text_facts" / "opsd" / "summary.json").read_text())
+    assert {"eval/retention_nll", "eval/retention_accuracy"} <= set(summary["metrics"])
+    assert "retention NLL of the held-out text" in summary["showed"]
     speed = report["speed"]
     assert speed["eval_items"] == 8 and set(speed["step_median"]) == {"rollout", "sequences", "score_backward_optimizer", "weight_sync"}
     # The step as it was (no prompt sharing) beside the step as it is, on the same sequences.
     assert set(speed["step_median_before"]) == set(speed["step_median"])
     assert speed["scoring_speedup_from_prompt_sharing"]["cpu_s"] > 0
     assert speed["evaluation"]["no_privileged_one_call"]["cpu_s"] > 0
-    assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Path(task["png"]) == out / "text_facts" / "learning_curve.png"
+    assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""Short end-to-end runs of `python -m opsd.train` on the tiny VLM and synthetic data."""
+"""Short end-to-end runs of `python -m opsd.train` on the tiny models and synthetic data."""
 
 import dataclasses
 import json
@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 
+from opsd.config import load_config
 from opsd.train import main, train
 from tests.helpers.runs import demo_config, read_metrics
 
@@ -118,3 +119,31 @@ def test_a_skipped_step_keeps_the_schedule_and_the_ema_on_the_step_count(tmp_pat
             scheduler.step()
     assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-12)
     assert len(teacher_updates) == 5  # one EMA step per step, the skipped one included
+
+
+@pytest.mark.slow
+def test_a_run_with_retention_logs_it_at_step_0_and_every_evaluation(tmp_path, tiny_text_dir, capsys):
+    """eval.retention on the facts recipe (tiny text model, HF engine): both probes at steps 0, 2 and
+    the last, none between; training moves the text probe; the summary says how both moved."""
+    cfg = load_config("configs/learn_facts_smollm2.yaml", [
+        f"model.path={tiny_text_dir}", "model.build=null", "rollout.engine=hf", f"data.datasets.0.path={tmp_path / 'facts'}",
+        "data.datasets.0.synthetic.n_facts=4", "data.datasets.0.synthetic.n_train=8", "data.datasets.0.synthetic.n_eval=8",
+        "eval.num_samples=8", "train.max_steps=3", "eval.every=2", "train.prompts_per_micro_step=2",
+        "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "eval.retention.text_tokens=64",
+        "eval.retention.chunk_tokens=32", "eval.retention.max_new_tokens=4", f"logging.output_dir={tmp_path / 'run'}",
+    ])
+    output_dir = train(cfg)
+    records = read_metrics(output_dir)
+    probed = [r["step"] for r in records if {"eval/retention_nll", "eval/retention_accuracy"} <= r.keys()]
+    assert probed == [0, 2, 3] == [r["step"] for r in records if "eval/accuracy" in r]
+    for r in records:
+        if r["step"] in probed:
+            assert r["eval/retention_nll"] > 0 and 0 <= r["eval/retention_accuracy"] <= 1
+            assert 0 < r["time_retention_s"] <= r["time_eval_s"]
+    nll = {r["step"]: r["eval/retention_nll"] for r in records if r["step"] in probed}
+    assert nll[3] != nll[0]  # three updates of every weight move the likelihood of the text
+    summary = json.loads((output_dir / "summary.json").read_text())
+    assert summary["metrics"]["eval/retention_nll"] == {"first": nll[0], "first_step": 0, "last": nll[3], "last_step": 3}
+    assert summary["metrics"]["eval/retention_accuracy"]["last_step"] == 3
+    assert "retention NLL of the held-out text" in summary["showed"] and "retention (general questions)" in summary["showed"]
+    assert "eval/retention_nll:" in capsys.readouterr().out  # the console's closing summary

@@ -4,7 +4,7 @@
     loss, device: leaves (tensor math; where the process runs), importable from any layer
     loss_kinds (the loss objects): config only, imported from scoring up
     models (modeling, tiny_models, convert_smollm2, vl_processor, lora): config and prompts
-    rollout: prompts and below, models; evaluation: rollout and prompts
+    rollout: prompts and below, models; evaluation (and retention): rollout, prompts, sequences, scoring
     pipeline (prompts -> rollout -> sequences): sequences, rollout and below
     dumps: pipeline, scoring, teacher, rollout, evaluation, the checkpoint format; the recipe and CLIs: everything
 
@@ -31,7 +31,7 @@ GROUPS = {  # group: module prefixes
     "teacher": ["opsd.teacher"],
     "trainer": ["opsd.trainer"],
     "rollout": ["opsd.rollout"],
-    "evaluation": ["opsd.evaluation"],
+    "evaluation": ["opsd.evaluation", "opsd.retention"],
     "pipeline": ["opsd.pipeline"],
     "dumps": ["opsd.dumps", "opsd.rollouts"],
     "cli": ["opsd.export", "opsd.check"],
@@ -53,7 +53,8 @@ MAY_IMPORT = {  # group: the groups (or module prefixes) it may import, besides 
     "teacher": {"config", "data", "prompts", "sequences", "scoring", "loss_kinds", "models"},  # models: LoRA adapter teachers
     "trainer": {"config", "data", "prompts", "sequences", "scoring", "loss_kinds", "teacher", "models"},
     "rollout": {"config", "data", "prompts", "models"},
-    "evaluation": {"config", "data", "prompts", "rollout"},
+    # The retention probe scores a text with the trainer's model, as scoring does.
+    "evaluation": {"config", "data", "prompts", "rollout", "sequences", "scoring"},
     "pipeline": {"config", "data", "prompts", "sequences", "models", "rollout"},
     "dumps": {"config", "data", "prompts", "sequences", "scoring", "loss_kinds", "teacher", "models", "rollout",
               "evaluation", "pipeline", "opsd.trainer.checkpoint"},

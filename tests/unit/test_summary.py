@@ -58,3 +58,16 @@ def test_the_summary_says_what_moved_and_what_did_not():
     assert "student accuracy did not move (0 -> 0)" in line
     assert "teacher-prompt accuracy moved +25.0 points" in line
     assert "nothing to compare" in what_it_showed({})
+
+
+def test_the_summary_says_how_retention_moved(tmp_path):
+    records = [
+        {"step": 0, "eval/accuracy": 0.0, "eval/retention_accuracy": 1.0, "eval/retention_nll": 3.125, "time_eval_s": 1.0},
+        {"step": 5, "loss": 0.5, "jsd": 0.5, "eval/accuracy": 0.5, "eval/retention_accuracy": 0.875,
+         "eval/retention_nll": 3.25, "time_eval_s": 1.0},
+    ]
+    summary = run_summary(records, output_dir=tmp_path, wall_time_s=5.0)
+    assert summary["metrics"]["eval/retention_nll"] == {"first": 3.125, "first_step": 0, "last": 3.25, "last_step": 5}
+    assert "retention (general questions) moved -12.5 points (1 -> 0.875)" in summary["showed"]
+    assert "retention NLL of the held-out text rose 0.125 nats/token (3.125 -> 3.25" in summary["showed"]
+    assert "eval/retention_accuracy: 1 (step 0) -> 0.875 (step 5)" in format_summary(summary)
