@@ -60,7 +60,7 @@ def score(scoring: Scoring, student, teacher, examples: list[Example]) -> Scores
     for _, scored in scoring.examples(student, teacher, examples):
         distill.append(scored.distill.float())
         mismatch.append((scored.student_logprobs - scored.engine_logprobs).abs())
-        sums.add(scored.guardrails(scoring.loss))
+        sums.add(scored.guardrails)
     distill, mismatch = torch.cat(distill), torch.cat(mismatch)
     guardrails = {name: value for name, value in sums.metrics().items() if name in scoring.loss.guardrail_names}
     return Scores(distill.mean().item(), distill.abs().max().item(), mismatch.max().item(), distill.numel(), guardrails)

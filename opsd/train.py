@@ -42,7 +42,7 @@ from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
-from opsd.scoring import Scoring, UnsupportedModelError, check_scoring_matches_forward
+from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
 from opsd.sequences import Example, encode_prompt, padding_example, prompt_length_check
 from opsd.teacher import Teacher, make_teacher, teacher_class
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts, latest_checkpoint
@@ -91,25 +91,47 @@ def train_steps(run: Run, stop: StopRequest) -> RunStopped | None:
         if signum := stop.agreed(run.ranks):  # it came during the rollout: the step is abandoned
             before_rollout.restore(run.stream)
             return stop_run(run, signum, stop)
-        with timer("train"):
-            examples, counts, step_tokens = build_sequences(run, rollout)
-        if step_tokens == 0:  # no rank has anything to train on: all ranks skip the update together
-            advance_schedules(run)
-            finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr, **timer.record()})
+        trained = training_stage(run, rollout, step, timer)
+        if trained.metrics is None:  # no rank has anything to train on: all ranks skipped the update together
+            finish_step(run, step, {"skipped_step": 1, **trained.counts, "lr": lr, **timer.record()})
             continue
-        recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
-        if run.engine.capabilities.release_memory:  # a colocated engine gives training its memory until the sync
-            run.engine.release_memory()
-        with timer("train"):
-            metrics = update_student(run, examples, step_tokens, recorder, rollout.samples[0])
-            advance_schedules(run)
         with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
             sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
                                 exclude=run.frozen)
-        record = {**metrics, **counts, "lr": lr, **timer.record(),
+        record = {**trained.metrics, **trained.counts, "lr": lr, **timer.record(),
                   "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
-        finish_step(run, step, record, rollouts=(recorder, examples, rollout.samples) if recorder else None)
+        recorder = trained.recorder
+        finish_step(run, step, record, rollouts=(recorder, trained.examples, rollout.samples) if recorder else None)
     return None
+
+
+@dataclass
+class Trained:
+    """What the training stage of one step leaves: its metrics (None: the step was skipped), the
+    counts of what was cut or dropped, the examples and the rollout recorder of the step."""
+
+    metrics: dict | None
+    counts: dict
+    examples: list[Example]
+    recorder: RolloutRecorder | None = None
+
+
+def training_stage(run: "Run", rollout: Rollout, step: int, timer: StageTimer) -> Trained:
+    """Sequences, scoring, loss, backward, optimizer step and teacher update of one step, timed by
+    `timer` as the `train` stage with its parts (`time_train/<part>_s`); the LR schedule and the
+    teacher move on a skipped step too. bench/step_profile.py measures this same function."""
+    with timer("train"), timer.part("sequences"):
+        examples, counts, step_tokens = build_sequences(run, rollout)
+    if step_tokens == 0:
+        advance_schedules(run)
+        return Trained(None, counts, examples)
+    recorder = recorder_for_step(run.cfg, step)  # None unless this step's rollouts are dumped
+    if run.engine.capabilities.release_memory:  # a colocated engine gives training its memory until the sync
+        run.engine.release_memory()
+    with timer("train"):
+        metrics = update_student(run, examples, step_tokens, recorder, rollout.samples[0], timer.part)
+        advance_schedules(run, timer.part)
+    return Trained(metrics, counts, examples, recorder)
 
 
 @dataclass
@@ -208,19 +230,21 @@ def build_sequences(run: Run, rollout: Rollout) -> tuple[list[Example], dict[str
     return examples, counts, step_tokens
 
 
-def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample) -> dict:
+def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample,
+                   timed: Timed = untimed) -> dict:
     """Score with both roles, loss over the whole step's tokens, backward, optimizer step."""
     padding = rank_padding(run.cfg, run.processor, sample, run.step.scoring.pad_id) if run.ranks.enabled else None
-    return run.step(examples, step_tokens, padding, recorder.collect if recorder else None)
+    return run.step(examples, step_tokens, padding, recorder.collect if recorder else None, timed)
 
 
-def advance_schedules(run: Run) -> None:
+def advance_schedules(run: Run, timed: Timed = untimed) -> None:
     """The LR schedule and the EMA teacher move one step on every step, the skipped ones included
     (an EMA toward unchanged weights), so that both stay functions of the step count."""
-    with warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
+    with timed("lr_schedule"), warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
-    run.teacher.update(run.student)
+    with timed("teacher_update"):
+        run.teacher.update(run.student)
 
 
 def baseline_evaluation(run: Run) -> None:

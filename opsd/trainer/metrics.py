@@ -184,19 +184,39 @@ class NullMetricsLogger:
 
 
 class StageTimer:
-    """Wall-clock seconds of a step's stages: `with timer("rollout"): ...` (repeats add up), then
-    `timer.record()` -> `{"time_rollout_s": ...}`."""
+    """Wall-clock seconds of a step's stages and of the parts inside them: `with timer("train"): ...`
+    (repeats add up), `with timer.part("backward"): ...` inside a stage, then `timer.record()` ->
+    `{"time_train_s": ..., "time_train/backward_s": ...}`.
+
+    Parts are host time: on a GPU, work queued in one part may finish in a later one that waits for it.
+    """
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.parts: dict[str, dict[str, float]] = {}
+        self._stage: str | None = None
 
     @contextmanager
     def __call__(self, stage: str):
-        start = time.perf_counter()
+        start, self._stage = time.perf_counter(), stage
         try:
             yield
         finally:
+            self._stage = None
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
 
+    @contextmanager
+    def part(self, name: str):
+        """A part of the stage that is running (`StageTimer.part` is a `opsd.scoring.Timed`)."""
+        stage, start = self._stage, time.perf_counter()
+        try:
+            yield
+        finally:
+            parts = self.parts.setdefault(stage, {})
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+
     def record(self) -> dict[str, float]:
-        return {f"time_{stage}_s": seconds for stage, seconds in self.seconds.items()}
+        record = {f"time_{stage}_s": seconds for stage, seconds in self.seconds.items()}
+        for stage, parts in self.parts.items():
+            record.update({f"time_{stage}/{name}_s": seconds for name, seconds in parts.items()})
+        return record
