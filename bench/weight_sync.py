@@ -5,7 +5,10 @@ child process per size starts a `VLLMEngine` (KV cache bounded), loads the same 
 transformers, and times `opsd.rollout.weight_sync.push_weights(model, engine)`: one layerwise-reload
 session, full tensors streamed in buckets of `--bucket-mb`. Beside it, the floor on the same machine:
 `torch.Tensor.copy_` of the same tensors into preallocated buffers (the same bytes, no engine).
-Both are the median of `--repeats` runs after one warm-up run.
+Both are the median of `--repeats` runs after one warm-up run. The `smollm2` size is the real
+SmolLM2-135M-Instruct (538 MB in float32, converted into `--smollm2-dir` when missing): its
+`sync_over_copy` is issue #19's acceptance figure (<= 2), printed again as the last JSON object's
+`smollm2_sync_over_copy`.
 
 With `--lora`, LoRA rows on SmolLM2-135M-Instruct (converted into `--smollm2-dir` when missing):
 a child process per sync kind times `opsd.rollout.weight_sync.sync_student` of the same model,
@@ -17,11 +20,11 @@ rank receives from the all-gathers of one `push_weights` (`SyncStats.gathered_by
 holding float32 weights and into one holding bfloat16 weights (the engine's dtype in bfloat16 runs):
 the shards are cast before the per-FSDP-unit all-gather, so bfloat16 moves half the bytes.
 
-Run: .venv/bin/python bench/weight_sync.py [--sizes tiny small medium] [--bucket-mb 256] [--repeats 3]
+Run: .venv/bin/python bench/weight_sync.py [--sizes tiny small medium smollm2] [--bucket-mb 256] [--repeats 3]
      .venv/bin/python bench/weight_sync.py --sizes --lora [--lora-rank 16]   # LoRA rows only
 Prints one JSON object to stdout: per size, parameters, bytes, sync seconds and GB/s, copy seconds
 and GB/s, and `sync_over_copy` (how many times slower than the memory-copy floor the sync is); per
-size under `fsdp_gather`, gathered bytes and seconds per step in float32 and bfloat16 and their ratio.
+built size under `fsdp_gather`, gathered bytes and seconds per step in float32 and bfloat16 and their ratio.
 """
 
 import argparse
@@ -43,6 +46,8 @@ SIZES = {
     "small": dict(hidden_size=384, num_hidden_layers=6, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2, vocab_size=8192),
     "medium": dict(hidden_size=768, num_hidden_layers=12, intermediate_size=2048, num_attention_heads=12, num_key_value_heads=4, vocab_size=16384),
 }
+SMOLLM2 = "smollm2"
+"""The real SmolLM2-135M-Instruct (`--smollm2-dir`), not built: the issue #19 row."""
 
 
 def build_model(out: Path, shape: dict) -> None:
@@ -71,7 +76,7 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(size: str, bucket_mb: float, repeats: int) -> dict:
+def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str) -> dict:
     """Runs in the child process."""
     from transformers import AutoModelForCausalLM
 
@@ -80,9 +85,11 @@ def measure(size: str, bucket_mb: float, repeats: int) -> dict:
     from opsd.rollout.weight_sync import push_weights
 
     with tempfile.TemporaryDirectory(prefix="opsd-bench-") as tmp:
-        build_model(Path(tmp), SIZES[size])
-        engine = VLLMEngine(VLLMOptions(tmp, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+        model_dir = smollm2_dir if size == SMOLLM2 else tmp
+        if size != SMOLLM2:
+            build_model(Path(tmp), SIZES[size])
+        engine = VLLMEngine(VLLMOptions(model_dir, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         stats = []
         sync_s = median_seconds(lambda: stats.append(push_weights(model, engine, bucket_mb=bucket_mb)), repeats)
         params = [p.detach() for p in model.parameters()]
@@ -203,11 +210,15 @@ def _run_child(*args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def lora_rows(model_dir: Path, rank: int, bucket_mb: float, repeats: int) -> dict:
+def ensure_smollm2(model_dir: Path) -> None:
     if not (model_dir / "config.json").exists():
         from opsd.convert_smollm2 import convert
 
         convert(model_dir)
+
+
+def lora_rows(model_dir: Path, rank: int, bucket_mb: float, repeats: int) -> dict:
+    ensure_smollm2(model_dir)
     rows = [_run_child(sync, str(model_dir), rank, bucket_mb, repeats) for sync in ("full", "merged", "adapter")]
     by_sync = {r.get("sync"): r for r in rows}
     ratio = by_sync["adapter"]["bytes"] / by_sync["full"]["bytes"] if {"adapter", "full"} <= by_sync.keys() else None
@@ -217,7 +228,7 @@ def lora_rows(model_dir: Path, rank: int, bucket_mb: float, repeats: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="*", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--sizes", nargs="*", choices=[*SIZES, SMOLLM2], default=[*SIZES, SMOLLM2])
     parser.add_argument("--lora", action="store_true", help="add the LoRA rows (SmolLM2: full vs merged vs adapter sync)")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--smollm2-dir", type=Path, default=Path("artifacts/smollm2-135m-instruct"))
@@ -229,15 +240,20 @@ def main() -> None:
         child = json.loads(args.child)
         print(json.dumps(measure_lora(*child) if child[0] in ("full", "merged", "adapter") else measure(*child)))
         return
+    if SMOLLM2 in args.sizes:
+        ensure_smollm2(args.smollm2_dir)
+    results = [_run_child(size, args.bucket_mb, args.repeats, str(args.smollm2_dir)) for size in args.sizes]
     print(json.dumps({
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "dtype": "float32",
         "bucket_mb": args.bucket_mb,
         "repeats": args.repeats,
-        "results": [_run_child(size, args.bucket_mb, args.repeats) for size in args.sizes],
-        "fsdp_gather": [measure_fsdp_gather(size, args.repeats) for size in args.sizes],
+        "results": results,
+        "fsdp_gather": [measure_fsdp_gather(size, args.repeats) for size in args.sizes if size in SIZES],
         **({"lora": lora_rows(args.smollm2_dir, args.lora_rank, args.bucket_mb, args.repeats)} if args.lora else {}),
+        # the issue #19 figure: SmolLM2's sync over a memcpy of its bytes (None: not measured)
+        "smollm2_sync_over_copy": next((r.get("sync_over_copy") for r in results if r.get("size") == SMOLLM2), None),
     }, indent=1))
 
 

@@ -9,7 +9,8 @@ chat template or engine.
 3. One optimizer step on those sequences, the weight sync, fresh samples: the engine must follow
    the new weights (max gap below 1e-3 again).
 
-Single process only; nothing is written to `logging.output_dir`.
+Single process only. What vLLM and transformers print goes to `<logging.output_dir>/check.log`
+(nothing else is written there); `--verbose` shows it too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from opsd.rollout.weight_sync import sync_student
 from opsd.scoring import Scoring, check_scoring_matches_forward
 from opsd.sequences import Example, prompt_length_check
 from opsd.teacher import make_teacher
+from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import launched_by_torchrun
 from opsd.trainer.optim import build_optimizer
 from opsd.trainer.rng import seed_everything
@@ -58,23 +60,34 @@ def score(scoring: Scoring, student, teacher, examples: list[Example]) -> Scores
     for _, scored in scoring.examples(student, teacher, examples):
         distill.append(scored.distill.float())
         mismatch.append((scored.student_logprobs - scored.engine_logprobs).abs())
-        sums.add(scored.guardrails(scoring.loss))
+        sums.add(scored.guardrails)
     distill, mismatch = torch.cat(distill), torch.cat(mismatch)
     guardrails = {name: value for name, value in sums.metrics().items() if name in scoring.loss.guardrail_names}
     return Scores(distill.mean().item(), distill.abs().max().item(), mismatch.max().item(), distill.numel(), guardrails)
+
+
+CHECK_LOG = "check.log"
 
 
 def run_check(cfg: Config, out=print) -> bool:
     """The three checks on one step's prompts of the training split; True when all pass."""
     if launched_by_torchrun():
         raise ConfigError("--check runs in one process: start it with `python -m opsd.train`, not torchrun")
+    with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose, log_name=CHECK_LOG) as log_file:
+        passed = _run_checks(cfg, out, log_file)
+    out(f"{'check passed' if passed else 'check FAILED'} (third-party output: {log_file})")
+    return passed
+
+
+def _run_checks(cfg: Config, out, log_file) -> bool:
     device = resolve_device(cfg.train.device)
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
     scoring = Scoring.from_config(cfg, processor)
     length_check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     samples, _ = split_samples(cfg, cfg.prompts_per_step, split="train", check=length_check, multimodal=is_multimodal(processor))
-    engine = make_engine(cfg, model_dir, processor)
+    with native_output_to_log(None if cfg.logging.verbose else log_file):
+        engine = make_engine(cfg, model_dir, processor)
     try:
         seed_everything(cfg.train.seed)
         student = load_model(cfg.model, processor, device)
@@ -116,6 +129,4 @@ def run_check(cfg: Config, out=print) -> bool:
             f"{'ok' if synced_ok else 'FAILED'}{note}")
     finally:
         engine.close()
-    passed = plain_ok and synced_ok
-    out("check passed" if passed else "check FAILED")
-    return passed
+    return plain_ok and synced_ok

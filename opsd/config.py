@@ -553,8 +553,13 @@ class EvalConfig:
 class DistributedConfig:
     """Multi-process training under torchrun (FSDP2); ignored by single-process runs."""
 
-    timeout_s: Annotated[int, Field(gt=0)] = 1800
-    """Process-group timeout: a collective that waits longer than this fails instead of hanging."""
+    timeout_s: Annotated[int, Field(gt=0)] = 600
+    """Process-group timeout: a collective that waits longer than this fails instead of hanging. It
+    must cover the longest wait of one rank for the others: rank 0 writing a checkpoint or reading the
+    weights at the start, the slowest rank's rollout. Raise it when those take longer (docs/faults.md)."""
+    heartbeat_timeout_s: Annotated[float, Field(ge=0)] = 120
+    """A rank whose heartbeat (a thread, beating whatever the rank computes) stays silent this long
+    (stopped, frozen, cut off) fails the job, named in an `error:` line; 0 = no heartbeat."""
     shard_size: Annotated[int, Field(gt=0)] | None = None
     """Ranks that shard one copy of the weights; the world is `world_size / shard_size` replicas of
     that (hybrid sharding, HSDP). None = shard over all ranks (plain FSDP)."""
@@ -622,9 +627,17 @@ class CheckpointConfig:
     schedule, data order, metrics and wandb run; the teacher starts from the loaded weights."""
     resume_from_ema: bool = False
     """With `resume_model_only`: start from the checkpoint's EMA teacher weights instead of the student's."""
+    discard_newer: bool = False
+    """With `resume_from` an older checkpoint of `logging.output_dir`: move the newer ones aside
+    (`checkpoint-N.discarded-<time>`, never deleted) instead of refusing to continue behind them."""
+    save_on_signal: bool = True
+    """SIGTERM, SIGINT or SIGUSR1 stop the run after the step in progress with a checkpoint of it
+    (unless that step was just saved); false = stop without saving (docs/faults.md)."""
 
     @model_validator(mode="after")
     def _check_resume(self) -> "CheckpointConfig":
+        if self.discard_newer and self.resume_from is None:
+            raise ValueError("checkpoint.discard_newer needs checkpoint.resume_from (the checkpoint to continue from)")
         if self.resume_model_only and self.resume_from is None:
             raise ValueError("checkpoint.resume_model_only needs checkpoint.resume_from (auto or a path)")
         if self.resume_from_ema and not self.resume_model_only:

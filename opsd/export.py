@@ -30,7 +30,7 @@ def merge_adapter(adapter_dir: Path, out: Path, base: str | None = None) -> None
     import torch
     from peft import PeftConfig, PeftModel
 
-    from opsd.config import ModelConfig
+    from opsd.config import ConfigError, ModelConfig
     from opsd.modeling import load_model, load_processor
 
     base = base or PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
@@ -40,7 +40,7 @@ def merge_adapter(adapter_dir: Path, out: Path, base: str | None = None) -> None
     try:
         processor = load_processor(model_cfg)
         model = load_model(model_cfg, processor, torch.device("cpu"))
-    except OSError as err:
+    except (OSError, ConfigError) as err:
         raise CheckpointError(f"--merge: cannot load the base model {base}: {err}") from None
     merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out)

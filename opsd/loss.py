@@ -19,10 +19,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GuardrailSums", "generalized_jsd", "guardrail_sums", "tinker_loss", "token_logprobs"]
+__all__ = [
+    "GuardrailSums", "generalized_jsd", "guardrail_sums", "host_floats", "logprobs_and_entropy", "tinker_loss",
+    "token_logprobs",
+]
 
 LOGPROB_CHUNK_ROWS = 1024
 """Rows `token_logprobs` (and so `tinker_loss`) processes at once."""
+SCRATCH_BYTES = 16 << 20
+"""Largest float32 temporary of a full-vocabulary pass on the CPU (`scratch_rows`)."""
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -63,15 +68,33 @@ def _divergence_terms(s: Tensor, t: Tensor, beta: float, temperature: float) -> 
 
 def _divergence(
     s: Tensor, t: Tensor, beta: float, temperature: float, token_clip: float, clip_mode: str
-) -> Tensor:
-    """Per-token divergence of logit rows [n, k] (k = the kept vocabulary entries)."""
+) -> tuple[Tensor, Tensor]:
+    """Per-token divergence of logit rows [n, k] (k = the kept vocabulary entries), and how many
+    entries (`entry` clip) or tokens (`token` clip) the clip cut, for the guardrail metrics."""
     terms = _divergence_terms(s, t, beta, temperature)
+    clipped = torch.zeros((), dtype=torch.long, device=s.device)
     if token_clip > 0 and clip_mode == "entry":
+        clipped = (terms > token_clip).sum()
         terms = terms.clamp(max=token_clip)
     loss = terms.sum(dim=-1)
     if token_clip > 0 and clip_mode == "token":
+        clipped = (loss > token_clip).sum()
         loss = loss.clamp(max=token_clip)
-    return loss * temperature**2
+    return loss * temperature**2, clipped
+
+
+def scratch_rows(chunk_size: int, logits: Tensor) -> int:
+    """Rows of `logits` a full-vocabulary float32 pass takes at once: `chunk_size`, and on the CPU
+    at most 16 MiB per temporary. glibc serves larger blocks from fresh mmaps that fault in every
+    page at each use: an [N, V] pass in rows of 16 MiB measured 2 to 3x faster than in one piece."""
+    if logits.device.type != "cpu" or logits.dim() != 2 or logits.shape[-1] == 0:
+        return chunk_size
+    return max(1, min(chunk_size, SCRATCH_BYTES // (4 * logits.shape[-1])))
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T, at least float32 (no copy at T = 1 for float32 logits: the division is exact)."""
+    return _upcast(logits) if temperature == 1 else _upcast(logits) / temperature
 
 
 def generalized_jsd(
@@ -84,6 +107,7 @@ def generalized_jsd(
     token_clip: float = 0.0,
     clip_mode: str = "entry",
     chunk_size: int = 1024,
+    guardrails: "GuardrailSums | None" = None,
 ) -> Tensor:
     """Per-token generalized JSD [N] between student and teacher logits [N, V].
 
@@ -91,6 +115,11 @@ def generalized_jsd(
     KL(teacher || student), beta = 1 reverse KL(student || teacher). top_k > 0 keeps the teacher's
     top-k entries per position (both sides renormalised over them). token_clip > 0 caps each
     per-entry term ("entry", the reference) or the per-token sum ("token").
+
+    With `guardrails`, what the loss leaves out or cuts is added to it from the loss's own
+    intermediates (the teacher's top-k and the per-entry terms are not computed again): the
+    teacher's probability mass inside its top-k (one more pass, over the teacher's logits) and the
+    clipped entries or tokens. Tensors, so that no value leaves the device here.
     """
     _check_logits(student_logits, teacher_logits)
     if not 0 <= beta <= 1:
@@ -106,9 +135,11 @@ def generalized_jsd(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     teacher_logits = teacher_logits.detach()
+    full_teacher = teacher_logits
     args = (beta, temperature, token_clip, clip_mode)
 
-    if 0 < top_k < student_logits.shape[-1]:
+    truncated = 0 < top_k < student_logits.shape[-1]
+    if truncated:
         # topk and gather on the original dtype, so only [N, k] slices are ever upcast. The gather
         # is one `take` on flat indices over all rows: its backward writes a single [N, V] gradient
         # (gather's backward, a scatter, measured 3x the gradient's memory for bf16 on CPU).
@@ -119,9 +150,30 @@ def generalized_jsd(
         student_logits = student_logits.take(torch.cat([idx for _, idx in tops]) + rows * v)
 
     needs_grad = torch.is_grad_enabled() and student_logits.requires_grad
-    return _by_rows(
-        lambda s, t: _divergence(s, t, *args), chunk_size, needs_grad, student_logits, teacher_logits
-    )
+    fn = lambda s, t: _divergence(s, t, *args)  # noqa: E731
+    losses, clipped = [], []
+    for s, t in zip(student_logits.split(chunk_size), teacher_logits.split(chunk_size)):
+        # With grad, backward recomputes one chunk at a time instead of autograd holding every
+        # chunk's float32 [chunk, k] intermediates.
+        loss, count = checkpoint(fn, s, t, use_reentrant=False) if needs_grad else fn(s, t)
+        losses.append(loss)
+        clipped.append(count)
+    out = torch.cat(losses)
+    if guardrails is not None:
+        n = student_logits.shape[0]
+        with torch.no_grad():
+            guardrails.teacher_topk_mass += _kept_mass(full_teacher, teacher_logits, temperature, chunk_size) if truncated else float(n)
+            if token_clip > 0:
+                guardrails.clipped += torch.stack(clipped).sum().double()
+                guardrails.clip_candidates += float(n * (teacher_logits.shape[-1] if clip_mode == "entry" else 1))
+    return out
+
+
+def _kept_mass(full: Tensor, top_values: Tensor, temperature: float, chunk_size: int) -> Tensor:
+    """Sum over rows of the probability (softmax of full / T) of the entries whose logits are `top_values`."""
+    rows = scratch_rows(chunk_size, full)
+    log_z = torch.cat([torch.logsumexp(_scaled(t, temperature), dim=-1) for t in full.split(rows)])
+    return (torch.logsumexp(_scaled(top_values, temperature), dim=-1) - log_z).exp().sum().double()
 
 
 def _sampled_logprob(logits: Tensor, ids: Tensor, temperature: float) -> Tensor:
@@ -162,7 +214,9 @@ def tinker_loss(
             f"sampled_ids must be an integer tensor of shape ({n},), "
             f"got {sampled_ids.dtype} {tuple(sampled_ids.shape)}"
         )
-    if n and not 0 <= int(sampled_ids.min()) <= int(sampled_ids.max()) < student_logits.shape[-1]:
+    # Checked on the CPU only: elsewhere the check would be a device sync per call, and the gather
+    # below fails on an id out of range anyway.
+    if n and sampled_ids.device.type == "cpu" and ((sampled_ids < 0) | (sampled_ids >= student_logits.shape[-1])).any():
         raise ValueError("sampled_ids must lie in [0, V)")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -183,35 +237,63 @@ def tinker_loss(
     return -advantage * ratio * student_lp
 
 
+@torch.no_grad()
+def logprobs_and_entropy(logits: Tensor, ids: Tensor | None, *, chunk_size: int = LOGPROB_CHUNK_ROWS) -> tuple[Tensor | None, Tensor]:
+    """log p(ids[i]) at temperature 1 ([N] float32; None without `ids`) and the sum of the rows'
+    entropies (0-d float64), from one log-softmax per row chunk. No gradient: cross-entropy trains
+    through `token_logprobs`."""
+    rows = scratch_rows(chunk_size, logits)
+    picked, entropy = [], torch.zeros((), dtype=torch.float64, device=logits.device)
+    for i, x in enumerate(logits.detach().split(rows)):
+        log_p = F.log_softmax(_upcast(x), dim=-1)
+        if ids is not None:
+            picked.append(log_p.gather(-1, ids[i * rows : (i + 1) * rows].unsqueeze(-1)).squeeze(-1))
+        # sum_v p log p of each row as one batched dot product: no [rows, V] product is written
+        entropy -= torch.bmm(log_p.exp().unsqueeze(1), log_p.unsqueeze(2)).sum().double()
+    return (torch.cat(picked) if ids is not None else None), entropy
+
+
+def host_floats(values: list) -> list[float]:
+    """Python floats of numbers and 0-d tensors; the tensors leave the device in one transfer."""
+    out = [v if isinstance(v, Tensor) else float(v) for v in values]
+    at = [i for i, v in enumerate(out) if isinstance(v, Tensor)]
+    if at:
+        for i, value in zip(at, torch.stack([out[i].detach().double() for i in at]).tolist()):
+            out[i] = value
+    return out
+
+
 @dataclass
 class GuardrailSums:
     """Sums over a batch's completion tokens behind the per-step guardrail metrics; they add up over
-    micro-batches and ranks before the division (`GuardrailSums.metrics`)."""
+    micro-batches and ranks before the division (`GuardrailSums.metrics`). While a step runs they
+    are 0-d tensors (no value leaves the device per micro-batch); `host_floats` turns them to numbers."""
 
     tokens: float = 0.0
-    teacher_topk_mass: float = 0.0
+    teacher_topk_mass: float | Tensor = 0.0
     """Sum of the teacher's probability (at the loss temperature) inside its top-k; 1 per token at top_k 0."""
-    clipped: float = 0.0
+    clipped: float | Tensor = 0.0
     """Clipped entries (`entry` clip) or tokens (`token` clip)."""
     clip_candidates: float = 0.0
     """Entries or tokens the clip looked at (0 when the loss does not clip)."""
-    student_entropy: float = 0.0
+    student_entropy: float | Tensor = 0.0
     """Sum of the student's entropy (temperature 1, full vocabulary), nats."""
 
     def add(self, other: "GuardrailSums") -> None:
         for name in vars(self):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
-    def as_list(self) -> list[float]:
+    def as_list(self) -> list[float | Tensor]:
         return list(vars(self).values())
 
     def metrics(self) -> dict[str, float]:
         """`teacher_topk_mass`, `clip_fraction`, `student_entropy`: means per token (per clip candidate)."""
-        tokens = max(self.tokens, 1.0)
+        tokens, mass, clipped, candidates, entropy = host_floats(self.as_list())
+        tokens = max(tokens, 1.0)
         return {
-            "teacher_topk_mass": self.teacher_topk_mass / tokens,
-            "clip_fraction": self.clipped / self.clip_candidates if self.clip_candidates else 0.0,
-            "student_entropy": self.student_entropy / tokens,
+            "teacher_topk_mass": mass / tokens,
+            "clip_fraction": clipped / candidates if candidates else 0.0,
+            "student_entropy": entropy / tokens,
         }
 
 
@@ -227,34 +309,17 @@ def guardrail_sums(
     clip_mode: str = "entry",
     chunk_size: int = 1024,
 ) -> GuardrailSums:
-    """What the loss leaves out or cuts, and how spread the student is, from the logits a step holds.
+    """What the loss leaves out or cuts, and how spread the student is, from logits alone (numbers).
 
-    Row chunks bound the float32 working copies to [chunk_size, V], as in the losses. The clip share
-    re-evaluates `generalized_jsd`'s per-entry terms on the teacher's top-k (token_clip 0: none).
-    Without `teacher_logits` only the student's entropy is summed.
+    The same computations a training step makes beside its loss (`generalized_jsd(guardrails=...)`,
+    `logprobs_and_entropy`), for logits scored outside one. Without `teacher_logits` only the
+    student's entropy is summed (the teacher's top-k mass counts 1 per token).
     """
-    if teacher_logits is None:
-        teacher_logits, top_k, token_clip = student_logits, 0, 0.0
-    _check_logits(student_logits, teacher_logits)
     sums = GuardrailSums(tokens=float(student_logits.shape[0]))
-    vocab = student_logits.shape[-1]
-    for s, t in zip(student_logits.detach().split(chunk_size), teacher_logits.detach().split(chunk_size)):
-        log_s = F.log_softmax(_upcast(s), dim=-1)
-        sums.student_entropy += float(-(log_s.exp() * log_s).sum())
-        del log_s
-        if 0 < top_k < vocab:
-            top_t, idx = t.topk(top_k, dim=-1)
-            scaled = _upcast(t) / temperature
-            kept = torch.logsumexp(_upcast(top_t) / temperature, dim=-1) - torch.logsumexp(scaled, dim=-1)
-            sums.teacher_topk_mass += float(kept.exp().sum())
-            top_s = s.gather(-1, idx)
-        else:
-            sums.teacher_topk_mass += float(s.shape[0])
-            top_s, top_t = s, t
-        if token_clip > 0:
-            terms = _divergence_terms(top_s, top_t, beta, temperature)
-            if clip_mode == "token":
-                terms = terms.sum(dim=-1)
-            sums.clipped += float((terms > token_clip).sum())
-            sums.clip_candidates += float(terms.numel())
-    return sums
+    if teacher_logits is None:
+        sums.teacher_topk_mass = sums.tokens
+    else:
+        generalized_jsd(student_logits, teacher_logits, beta=beta, temperature=temperature, top_k=top_k,
+                        token_clip=token_clip, clip_mode=clip_mode, chunk_size=chunk_size, guardrails=sums)
+    sums.student_entropy += logprobs_and_entropy(student_logits, None, chunk_size=chunk_size)[1]
+    return GuardrailSums(*host_floats(sums.as_list()))

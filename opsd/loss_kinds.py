@@ -46,10 +46,12 @@ class Loss(Protocol):
         """Completion tokens the loss processes at once (its float32 [rows, vocabulary] memory)."""
 
     def distill(self, student_logits: Tensor, teacher_logits: Tensor, sampled_ids: Tensor,
-                sampler_logprobs: Tensor) -> Tensor:
-        """[N] per-token distillation term from [N, V] logits of both roles."""
+                sampler_logprobs: Tensor, guardrails: GuardrailSums | None = None) -> Tensor:
+        """[N] per-token distillation term from [N, V] logits of both roles. With `guardrails`, the
+        kind adds the guardrail sums its own computation yields (scoring adds the student's entropy)."""
 
-    def guardrails(self, student_logits: Tensor, teacher_logits: Tensor) -> GuardrailSums: ...
+    def guardrails(self, student_logits: Tensor, teacher_logits: Tensor) -> GuardrailSums:
+        """The guardrail sums of logits scored elsewhere, computed from the logits alone."""
 
     def describe(self) -> str:
         """The settings this kind uses, for the plan line."""
@@ -85,8 +87,8 @@ class JsdLoss:
         return dict(beta=c.beta, temperature=c.temperature, top_k=c.top_k, token_clip=c.token_clip,
                     clip_mode=c.clip_mode, chunk_size=c.chunk_size)
 
-    def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs) -> Tensor:
-        return generalized_jsd(student_logits, teacher_logits, **self._settings())
+    def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs, guardrails=None) -> Tensor:
+        return generalized_jsd(student_logits, teacher_logits, **self._settings(), guardrails=guardrails)
 
     def guardrails(self, student_logits, teacher_logits) -> GuardrailSums:
         return guardrail_sums(student_logits, teacher_logits, **self._settings())
@@ -117,7 +119,7 @@ class TinkerLoss:
     def chunk_rows(self) -> int:
         return LOGPROB_CHUNK_ROWS
 
-    def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs) -> Tensor:
+    def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs, guardrails=None) -> Tensor:
         return tinker_loss(student_logits, teacher_logits, sampled_ids, temperature=self.cfg.temperature,
                            sampler_logprobs=sampler_logprobs)
 
@@ -148,7 +150,7 @@ class SftLoss:
     def chunk_rows(self) -> int:
         return LOGPROB_CHUNK_ROWS  # the cross-entropy's `token_logprobs`
 
-    def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs) -> Tensor:
+    def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs, guardrails=None) -> Tensor:
         return torch.zeros(len(sampled_ids), device=student_logits.device)
 
     def guardrails(self, student_logits, teacher_logits) -> GuardrailSums:

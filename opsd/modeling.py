@@ -28,9 +28,13 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
             "smollm2-vlm": smollm2_vlm.build,
         }[cfg.build]
         build(path)
-    looks_local = path.exists() or cfg.path.startswith((".", "/", "~")) or cfg.path.count("/") > 1
+    # A hub id is `name` or `org/name`; `artifacts/tiny-vlm` is local when `artifacts/` is.
+    looks_local = (path.exists() or cfg.path.startswith((".", "/", "~")) or cfg.path.count("/") > 1
+                   or (cfg.path.count("/") == 1 and path.parent.is_dir()))
     if looks_local and not (path / "config.json").exists():
-        raise FileNotFoundError(f"model.path: no Hugging Face model directory at {path} (config.json missing)")
+        missing = "config.json missing" if path.is_dir() else "no such directory"
+        raise ConfigError(f"model.path: no Hugging Face model directory at {path} ({missing}); set model.path to "
+                          "a model directory, or model.build to build one there")
     return cfg.path
 
 
@@ -42,6 +46,10 @@ def load_processor(cfg: ModelConfig):
             raise
         # Qwen-VL processors hold a video processor that needs torchvision; images need only PIL.
         processor = load_image_only_processor(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    except OSError as err:  # a hub id that is not in the cache and cannot be downloaded, or not a model
+        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ConfigError(f"model.path {cfg.path!r}: not a local model directory, and loading it as a Hugging Face "
+                          f"hub model failed: {reason}") from None
     tokenizer = tokenizer_of(processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -2,20 +2,20 @@
 
 `Scoring.micro_batch` is the shared core of a training step, `--check` and offline rollout dumps:
 the student forward (with grad when enabled), the teacher forward without (when the loss kind has a
-teacher), and on the completion tokens the per-token distillation term (`distill`) and the
-student's logprob of each sampled token.
+teacher), and on the completion tokens the per-token distillation term (`distill`), the student's
+logprob of each sampled token and the guardrail sums, each full-vocabulary pass made once.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
 from opsd.config import Config
-from opsd.loss import GuardrailSums, token_logprobs
+from opsd.loss import GuardrailSums, logprobs_and_entropy, token_logprobs
 from opsd.loss_kinds import Loss, build_loss, weighted_loss
 from opsd.prompts import tokenizer_of
 from opsd.sequences import Example, ForwardBatch, collate
@@ -122,14 +122,21 @@ class ScoredBatch:
     teacher_logits: torch.Tensor  # [N, V], no grad (the student's, detached, for a loss without teacher)
     distill: torch.Tensor  # [N] per-token distillation term of the loss
     student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
-
-    def guardrails(self, loss: Loss) -> GuardrailSums:
-        """Sums behind the guardrail metrics (teacher top-k mass, clip share, student entropy)."""
-        return loss.guardrails(self.student_logits, self.teacher_logits)
+    guardrails: GuardrailSums = field(default_factory=GuardrailSums)
+    """Sums behind the guardrail metrics (teacher top-k mass, clip share, student entropy), 0-d tensors."""
 
     def token_losses(self, loss: Loss) -> torch.Tensor:
         """[N] per-token loss: distillation term plus CE on the sampled token, weighted."""
         return weighted_loss(loss, self.distill, -self.student_logprobs)
+
+
+Timed = Callable[[str], ContextManager]
+"""`timed(part)`: a context that times one part of a step (`opsd.trainer.metrics.StageTimer.part`)."""
+
+
+def untimed(part: str) -> ContextManager:
+    """The default `Timed`: times nothing."""
+    return contextlib.nullcontext()
 
 
 def pad_token_id(processor) -> int:
@@ -156,28 +163,39 @@ class Scoring:
         return cls(build_loss(cfg.loss), cfg.model.dtype, pad_token_id(processor), cfg.micro_batch_size,
                    cfg.train.packed_row_tokens)
 
-    def _batch(self, model, prompts, completions) -> ForwardBatch:
+    def batch(self, model, prompts, completions) -> ForwardBatch:
+        """`prompts` + `completions` as `model` scores them (packed shared prompts where it can)."""
         packing = self.packed_row_tokens if packs_shared_prompts(model) else None
         return collate(prompts, completions, self.pad_id, packed_row_tokens=packing)
 
-    def micro_batch(self, student, teacher, micro: list[Example]) -> ScoredBatch:
-        """Student forward (with grad when enabled), teacher forward without, per-token terms."""
+    def micro_batch(self, student, teacher, micro: list[Example], timed: Timed = untimed) -> ScoredBatch:
+        """Student forward (with grad when enabled), teacher forward without, per-token terms and the
+        guardrail sums; `timed` times each part (collate, each forward, loss, student logprobs)."""
         device = next(student.parameters()).device
         completions = [e.completion_ids for e in micro]
-        student_batch = self._batch(student, [e.student for e in micro], completions)
-        sampled = student_batch.completion_ids.to(device)
-        engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
+        with timed("collate"):
+            student_batch = self.batch(student, [e.student for e in micro], completions)
+            teacher_batch = self.batch(teacher, [e.teacher for e in micro], completions) if self.loss.needs_teacher else None
+            sampled = student_batch.completion_ids.to(device)
+            engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
         with autocast(device, self.dtype):
-            student_logits = completion_logits(student, student_batch)
-            if self.loss.needs_teacher:
-                with torch.no_grad():
-                    teacher_logits = completion_logits(teacher, self._batch(teacher, [e.teacher for e in micro], completions))
+            with timed("student_forward"):
+                student_logits = completion_logits(student, student_batch)
+            if teacher_batch is not None:
+                with timed("teacher_forward"), torch.no_grad():
+                    teacher_logits = completion_logits(teacher, teacher_batch)
             else:  # no teacher forward: its scores are the student's
                 teacher_logits = student_logits.detach()
-        distill = self.loss.distill(student_logits, teacher_logits, sampled, engine_logprobs)
-        with torch.set_grad_enabled(self.loss.weights[1] > 0 and torch.is_grad_enabled()):  # CE only when weighted
-            student_logprobs = token_logprobs(student_logits, sampled)
-        return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs)
+        guardrails = GuardrailSums(tokens=float(sampled.numel()))
+        with timed("loss"):  # the kind's term and the guardrail sums it yields (top-k mass, clip share)
+            distill = self.loss.distill(student_logits, teacher_logits, sampled, engine_logprobs, guardrails)
+        with timed("student_logprobs"):  # log p_S(y) (CE, the engine check) and the entropy in one pass
+            ce_trains = self.loss.weights[1] > 0 and torch.is_grad_enabled()
+            student_logprobs, guardrails.student_entropy = logprobs_and_entropy(
+                student_logits, None if ce_trains else sampled, chunk_size=self.loss.chunk_rows)
+            if ce_trains:  # log p_S(y) with its gradient
+                student_logprobs = token_logprobs(student_logits, sampled)
+        return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs, guardrails)
 
     def examples(self, student, teacher, examples: list[Example]) -> Iterator[tuple[list[Example], ScoredBatch]]:
         """`micro_batch` over `examples` in the run's micro-batches, outside training (offline dumps,

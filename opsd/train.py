@@ -8,6 +8,7 @@ student and teacher sequences around the same completion ids -> score both -> lo
 optimizer step -> teacher update -> push the new weights into the engine. Metrics go to
 `<output_dir>/metrics.jsonl` (one object per step), the console and, when enabled, wandb.
 Checkpoints go to `<output_dir>/checkpoint-{step}`; `checkpoint.resume_from=auto` continues a run.
+SIGTERM, SIGINT or SIGUSR1 stop it after the step in progress with a checkpoint (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import sys
 import time
 import warnings
+from contextlib import ExitStack, closing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ from opsd.config import Config, ConfigError, config_to_dict, load_config
 from opsd.data.dataset import describe_data, train_stream
 from opsd.data.errors import BadSampleError
 from opsd.data.stream import SampleStream
-from opsd.device import process_world_size
+from opsd.device import process_rank, process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
 from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
@@ -40,52 +42,96 @@ from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
-from opsd.scoring import Scoring, UnsupportedModelError, check_scoring_matches_forward
+from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
 from opsd.sequences import Example, encode_prompt, padding_example, prompt_length_check
 from opsd.teacher import Teacher, make_teacher, teacher_class
-from opsd.trainer.checkpoint import CheckpointError, TrainingParts
+from opsd.trainer.checkpoint import CheckpointError, TrainingParts, latest_checkpoint
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
-from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer
+from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import TrainStep
+from opsd.trainer.stop import EXIT_STOPPED, RunStopped, StepStart, StopRequest, signal_name, stop_on_signals
 from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
 
 
 def train(cfg: Config) -> Path:
-    with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file:
+    """Train to `train.max_steps`; raises `RunStopped` after a clean stop on a signal."""
+    with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file, \
+            stop_on_signals(announce=process_rank() == 0) as stop:
         run = start_run(cfg, log_file)
-        baseline_evaluation(run)
-        progress = cfg.logging.progress_bar and run.ranks.is_main
-        steps = range(run.start_step + 1, cfg.train.max_steps + 1)
-        for step in tqdm(steps, initial=run.start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
-            timer, lr = StageTimer(), run.scheduler.get_last_lr()[0]
-            with timer("rollout"):
-                rollout = sample(run, step)
-            with timer("train"):
-                examples, counts, step_tokens = build_sequences(run, rollout)
-            if step_tokens == 0:  # no rank has anything to train on: all ranks skip the update together
-                advance_schedules(run)
-                finish_step(run, step, {"skipped_step": 1, **counts, "lr": lr, **timer.record()})
-                continue
-            recorder = recorder_for_step(cfg, step)  # None unless this step's rollouts are dumped
-            if run.engine.capabilities.release_memory:  # a colocated engine gives training its memory until the sync
-                run.engine.release_memory()
-            with timer("train"):
-                metrics = update_student(run, examples, step_tokens, recorder, rollout.samples[0])
-                advance_schedules(run)
-            with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
-                sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
-                                    exclude=run.frozen)
-            record = {**metrics, **counts, "lr": lr, **timer.record(),
-                      "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
-            finish_step(run, step, record, rollouts=(recorder, examples, rollout.samples) if recorder else None)
-        end_run(run)
+        try:
+            stopped = train_steps(run, stop)
+        except BaseException:
+            abort_run(run)
+            raise
+        end_run(run, stopped)
+    if stopped is not None:
+        raise stopped
     return run.output_dir
+
+
+def train_steps(run: Run, stop: StopRequest) -> RunStopped | None:
+    """The steps from the start (or resumed) step to `train.max_steps`, or to a stop signal."""
+    cfg = run.cfg
+    baseline_evaluation(run)
+    progress = cfg.logging.progress_bar and run.ranks.is_main
+    steps = range(run.start_step + 1, cfg.train.max_steps + 1)
+    for step in tqdm(steps, initial=run.start_step, total=cfg.train.max_steps, disable=not progress, desc="opsd"):
+        if signum := stop.agreed(run.ranks):  # a signal came during the last step: all ranks stop here
+            return stop_run(run, signum, stop)
+        before_rollout = StepStart.capture(run.stream)  # an abandoned step must leave no trace
+        timer, lr = StageTimer(), run.scheduler.get_last_lr()[0]
+        with timer("rollout"):
+            rollout = sample(run, step)
+        if signum := stop.agreed(run.ranks):  # it came during the rollout: the step is abandoned
+            before_rollout.restore(run.stream)
+            return stop_run(run, signum, stop)
+        trained = training_stage(run, rollout, step, timer)
+        if trained.metrics is None:  # no rank has anything to train on: all ranks skipped the update together
+            finish_step(run, step, {"skipped_step": 1, **trained.counts, "lr": lr, **timer.record()})
+            continue
+        with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
+            sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
+                                exclude=run.frozen)
+        record = {**trained.metrics, **trained.counts, "lr": lr, **timer.record(),
+                  "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
+        recorder = trained.recorder
+        finish_step(run, step, record, rollouts=(recorder, trained.examples, rollout.samples) if recorder else None)
+    return None
+
+
+@dataclass
+class Trained:
+    """What the training stage of one step leaves: its metrics (None: the step was skipped), the
+    counts of what was cut or dropped, the examples and the rollout recorder of the step."""
+
+    metrics: dict | None
+    counts: dict
+    examples: list[Example]
+    recorder: RolloutRecorder | None = None
+
+
+def training_stage(run: "Run", rollout: Rollout, step: int, timer: StageTimer) -> Trained:
+    """Sequences, scoring, loss, backward, optimizer step and teacher update of one step, timed by
+    `timer` as the `train` stage with its parts (`time_train/<part>_s`); the LR schedule and the
+    teacher move on a skipped step too. bench/step_profile.py measures this same function."""
+    with timer("train"), timer.part("sequences"):
+        examples, counts, step_tokens = build_sequences(run, rollout)
+    if step_tokens == 0:
+        advance_schedules(run)
+        return Trained(None, counts, examples)
+    recorder = recorder_for_step(run.cfg, step)  # None unless this step's rollouts are dumped
+    if run.engine.capabilities.release_memory:  # a colocated engine gives training its memory until the sync
+        run.engine.release_memory()
+    with timer("train"):
+        metrics = update_student(run, examples, step_tokens, recorder, rollout.samples[0], timer.part)
+        advance_schedules(run, timer.part)
+    return Trained(metrics, counts, examples, recorder)
 
 
 @dataclass
@@ -112,6 +158,9 @@ class Run:
     engine that keeps its weights (`sync_student`; one that discards them while released gets them all)."""
     start_step: int = 0
     started: float = field(default_factory=time.perf_counter)
+    last_step: int = 0
+    """The last step finished (logged, saved when due)."""
+    last_record: dict = field(default_factory=dict)
 
 
 def start_run(cfg: Config, log_file: Path) -> Run:
@@ -130,27 +179,31 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     with native_output_to_log(None if cfg.logging.verbose else log_file):
         engine = make_engine(cfg, model_dir, processor)
-    seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
-    student, teacher = load_student_and_teacher(cfg, processor, ranks)
-    optimizer = build_optimizer(cfg.optim, student)
-    scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
-    logger = (
-        MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg),
-                      resume_step=checkpoints.resume_step, wandb_run_id=checkpoints.saved_wandb_run_id)
-        if ranks.is_main else NullMetricsLogger()
-    )
-    parts = TrainingParts(student, teacher, optimizer, scheduler, processor, stream)
-    start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
-    # Start on-policy: the engine was built from model.path (or is a long-lived server holding other
-    # weights), while the student may come from a checkpoint.
-    if cfg.model.lora and cfg.rollout.lora_sync == "adapter":
-        check_adapter_receiver(engine)
-    sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
-    checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
-    frozen = frozenset(vision_parameter_names(student)) if cfg.model.freeze_vision else frozenset()
-    step = TrainStep(student, teacher.scorer, optimizer, Scoring.from_config(cfg, processor), cfg.optim.max_grad_norm, ranks)
+    with ExitStack() as on_error:  # a failure below closes the engine (and the metrics file)
+        on_error.callback(ranks.stop_heartbeat)
+        on_error.callback(close_quietly, engine)
+        seed_everything(cfg.train.seed)  # after the engine: an in-process vLLM reseeds the global RNG
+        student, teacher = load_student_and_teacher(cfg, processor, ranks)
+        optimizer = build_optimizer(cfg.optim, student)
+        scheduler = build_scheduler(cfg.optim, optimizer, cfg.train.max_steps)
+        logger = on_error.enter_context(closing(
+            MetricsLogger(cfg.logging, output_dir, config_to_dict(cfg), resume_step=checkpoints.resume_step,
+                          wandb_run_id=checkpoints.saved_wandb_run_id, mismatch_threshold=mismatch_threshold(cfg))
+            if ranks.is_main else NullMetricsLogger()
+        ))
+        parts = TrainingParts(student, teacher, optimizer, scheduler, processor, stream)
+        start_step = checkpoints.start(parts, wandb_run_id=logger.wandb_run_id)  # weights, optimizer, data position
+        # Start on-policy: the engine was built from model.path (or is a long-lived server holding other
+        # weights), while the student may come from a checkpoint.
+        if cfg.model.lora and cfg.rollout.lora_sync == "adapter":
+            check_adapter_receiver(engine)
+        sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync)
+        checkpoints.restore_rng()  # last, so that nothing above shifts the random streams
+        frozen = frozenset(vision_parameter_names(student)) if cfg.model.freeze_vision else frozenset()
+        step = TrainStep(student, teacher.scorer, optimizer, Scoring.from_config(cfg, processor), cfg.optim.max_grad_norm, ranks)
+        on_error.pop_all()
     return Run(cfg, output_dir, ranks, processor, stream, evaluator, engine, student, teacher,
-               optimizer, scheduler, step, logger, checkpoints, frozen, start_step)
+               optimizer, scheduler, step, logger, checkpoints, frozen, start_step, last_step=start_step)
 
 
 def sample(run: Run, step: int) -> Rollout:
@@ -177,19 +230,21 @@ def build_sequences(run: Run, rollout: Rollout) -> tuple[list[Example], dict[str
     return examples, counts, step_tokens
 
 
-def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample) -> dict:
+def update_student(run: Run, examples: list[Example], step_tokens: int, recorder: RolloutRecorder | None, sample,
+                   timed: Timed = untimed) -> dict:
     """Score with both roles, loss over the whole step's tokens, backward, optimizer step."""
     padding = rank_padding(run.cfg, run.processor, sample, run.step.scoring.pad_id) if run.ranks.enabled else None
-    return run.step(examples, step_tokens, padding, recorder.collect if recorder else None)
+    return run.step(examples, step_tokens, padding, recorder.collect if recorder else None, timed)
 
 
-def advance_schedules(run: Run) -> None:
+def advance_schedules(run: Run, timed: Timed = untimed) -> None:
     """The LR schedule and the EMA teacher move one step on every step, the skipped ones included
     (an EMA toward unchanged weights), so that both stay functions of the step count."""
-    with warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
+    with timed("lr_schedule"), warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
-    run.teacher.update(run.student)
+    with timed("teacher_update"):
+        run.teacher.update(run.student)
 
 
 def baseline_evaluation(run: Run) -> None:
@@ -207,18 +262,42 @@ def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None
     record = {**record, **run.stream.metrics(), **evaluation}
     run.logger.log(step, record)
     run.checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
+    run.last_step, run.last_record = step, record
 
 
-def end_run(run: Run) -> None:
+def stop_run(run: Run, signum: int, stop: StopRequest) -> RunStopped:
+    """After a stop signal: save the last finished step unless it was just saved (or nothing ran)."""
+    step, checkpoints = run.last_step, run.checkpoints
+    if run.cfg.checkpoint.save_on_signal and step > 0 and checkpoints.last_saved_step != step:
+        checkpoints.save(step, run.last_record)
+    latest = latest_checkpoint(run.output_dir)
+    return RunStopped(signal_name(signum), step, latest.path.name if latest else None, stop.at)
+
+
+def end_run(run: Run, stopped: RunStopped | None = None) -> None:
     run.logger.close()
     if run.ranks.is_main:  # the summary, on the console and in summary.json
         summary = run_summary(read_records(run.logger.path), output_dir=run.output_dir,
-                              wall_time_s=time.perf_counter() - run.started, start_step=run.start_step)
+                              wall_time_s=time.perf_counter() - run.started, start_step=run.start_step,
+                              stopped=stopped.describe() if stopped else None,
+                              mismatch_threshold=mismatch_threshold(run.cfg))
         write_summary(run.output_dir, summary)
         tqdm.write(format_summary(summary))
     run.ranks.barrier()
     run.engine.close()
     run.ranks.close()
+
+
+def abort_run(run: Run) -> None:
+    """An error ends the run: close what it opened, without waiting for the other ranks."""
+    run.logger.close()
+    run.ranks.stop_heartbeat()
+    close_quietly(run.engine)
+
+
+def close_quietly(engine: RolloutEngine) -> None:
+    with suppress(Exception):  # on an error path: the error that got us here is the one to report
+        engine.close()
 
 
 def load_student_and_teacher(cfg: Config, processor, ranks: Ranks):
@@ -352,9 +431,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if run_check(cfg) else 1
         train(cfg)
     except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError) as err:
-        # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce
+        # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce,
+        # a failed save (the disk)
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as stopped:  # the status tells the scheduler; the line tells the user
+        if process_rank() == 0:
+            resume = "; continue with checkpoint.resume_from=auto" if stopped.checkpoint else ""
+            print(f"{stopped}{resume} (exit status {EXIT_STOPPED})", file=sys.stderr)
+        return EXIT_STOPPED
     return 0
 
 

@@ -46,3 +46,12 @@ def grid_data_dir(tmp_path_factory):
     from opsd.data.synthetic import write_dataset
 
     return write_dataset(tmp_path_factory.mktemp("data") / "grid-paths", n_train=24, n_eval=8, seed=0)
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """(directory, mounted): a directory on a 20 MB file system (tests/helpers/disk.py)."""
+    from tests.helpers.disk import small_file_system
+
+    with small_file_system(tmp_path / "small", monkeypatch) as found:
+        yield found

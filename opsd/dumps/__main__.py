@@ -19,6 +19,9 @@ import sys
 
 from opsd.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
 from opsd.trainer.checkpoint import CheckpointError
+from opsd.trainer.console import third_party_output
+
+DUMP_LOG = "dump.log"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     dump.add_argument("--out", required=True, help="directory for step_{N}_rank_0.parquet")
     dump.add_argument("--num-samples", type=int, default=32, help="prompts to take from the split (default 32)")
     dump.add_argument("--split", default="train", help="train or eval: the datasets' split or eval_split (default train)")
+    dump.add_argument("--verbose", action="store_true",
+                      help="also show third-party output (vLLM, transformers) on the console; it always goes to OUT/dump.log")
     dump.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
 
     analyze = commands.add_parser("analyze", help="summarise dumps and plot them")
@@ -74,12 +79,15 @@ def run_dump(args: argparse.Namespace) -> int:
     source = args.model or args.checkpoint
     dirs = resolve_model_dirs(source) if source else None
     cfg = dump_config(args, dirs.student if dirs else None)
-    path, counts = dump_rollouts(
-        cfg, args.out, num_samples=args.num_samples, split=args.split,
-        teacher_path=dirs.teacher if dirs else None, step=dirs.step if dirs else 0,
-    )
+    verbose = args.verbose or cfg.logging.verbose
+    with third_party_output(args.out, verbose=verbose, log_name=DUMP_LOG) as log_file:  # like training's run.log
+        path, counts = dump_rollouts(
+            cfg, args.out, num_samples=args.num_samples, split=args.split,
+            teacher_path=dirs.teacher if dirs else None, step=dirs.step if dirs else 0,
+            log_file=None if verbose else log_file,
+        )
     dropped = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
-    print(f"wrote {path}" + (f" ({dropped})" if dropped else ""))
+    print(f"wrote {path}" + (f" ({dropped})" if dropped else "") + f"; third-party output: {log_file}")
     return 0
 
 

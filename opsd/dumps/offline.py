@@ -25,6 +25,7 @@ from opsd.sequences import prompt_length_check
 from opsd.trainer.checkpoint import (
     MODEL_DIR, TEACHER_DIR, CheckpointError, read_trainer_state, resolve_checkpoint, verify_checkpoint,
 )
+from opsd.trainer.console import native_output_to_log
 from opsd.teacher import INITIAL_WEIGHTS, TEACHER_DIR_WEIGHTS, saved_weights
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def initial_weights(checkpoint: Path, mode: str) -> str:
     model_path = run_cfg["model"]["path"]
     try:
         return prepare_model_dir(ModelConfig(path=model_path))
-    except FileNotFoundError:
+    except ConfigError:
         raise FileNotFoundError(
             f"--checkpoint {checkpoint}: teacher.mode={mode}, so the teacher is the run's initial weights, "
             f"model.path {model_path!r}, which is not a model directory here (relative paths are read from the "
@@ -99,15 +100,17 @@ def load_split(cfg: Config, split: str, num_samples: int, processor) -> list:
 
 
 def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: str = "train",
-                  teacher_path: str | None = None, step: int = 0) -> tuple[Path, dict[str, int]]:
+                  teacher_path: str | None = None, step: int = 0, log_file: Path | None = None) -> tuple[Path, dict[str, int]]:
     """Sample the first `num_samples` prompts of `split`, score with both roles, write one dump file.
+    `log_file`: where what the engine prints while it starts goes (None: the console).
 
     Returns the file and the counts of completions dropped or truncated on the way.
     """
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
     samples = load_split(cfg, split, num_samples, processor)
-    engine = make_engine(cfg, model_dir, processor)
+    with native_output_to_log(log_file):
+        engine = make_engine(cfg, model_dir, processor)
     try:
         rollout = sample_rollout(engine, samples, processor, cfg, step)
     finally:

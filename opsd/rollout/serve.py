@@ -64,14 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print", action="store_true", help="print the environment and command, do not run")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, as for opsd.train")
     args = parser.parse_args(argv)
+    from opsd.modeling import prepare_model_dir
+
     try:
         cfg = load_config(args.config, args.overrides)
+        model_path = cfg.model.path if args.print else prepare_model_dir(cfg.model)  # builds a tiny model if asked
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from opsd.modeling import prepare_model_dir
-
-    model_path = cfg.model.path if args.print else prepare_model_dir(cfg.model)  # builds a tiny model if asked
     command, env = serve_command(cfg, model_path, extra)
     line = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command)
     if args.print:

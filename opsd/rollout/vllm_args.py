@@ -49,6 +49,9 @@ class VLLMOptions:
     max_lora_rank: int | None = None
     """Serve LoRA adapters up to this rank, one at a time (each weight sync brings a new one and
     retires the last); None: no LoRA."""
+    max_logprobs: int | None = None
+    """Most logprobs (or prompt logprobs) a request may ask per position; None: vLLM's default (20).
+    bench/step_profile.py raises it to score a teacher's top-k in the engine."""
     frozen_vision: bool = False
     """`model.freeze_vision`: weight updates after the first leave the vision tower as it was, so the
     engine keeps its image encodings (opsd's own, no vLLM argument)."""
@@ -92,6 +95,8 @@ def engine_args(options: VLLMOptions) -> dict:
         from opsd.lora import vllm_max_lora_rank
 
         args.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(options.max_lora_rank), max_loras=1, max_cpu_loras=1)
+    if options.max_logprobs:
+        args["max_logprobs"] = options.max_logprobs
     if not torch.cuda.is_available():
         args["max_num_batched_tokens"] = CPU_MAX_BATCHED_TOKENS
     return args

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -23,17 +24,35 @@ from opsd.rollout.vllm_reload import (
 )
 
 
-def _set_env_defaults() -> None:
+_OWN_RPC_DIRS: set[str] = set()
+"""`VLLM_RPC_BASE_PATH` directories these engines made (a user's own setting is left alone)."""
+
+
+def _set_env_defaults() -> str | None:
+    """Set vLLM's environment defaults; returns the socket directory made for this engine, if any."""
     # In-process engine core: starts in ~2 s instead of ~15 s and lets us hand it tensors directly.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the trainer's
-    # The engine leaves ZMQ socket files behind; keep them out of the shared /tmp root.
-    os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="opsd-vllm-"))
+    rpc_dir = None
+    if os.environ.get("VLLM_RPC_BASE_PATH") in _OWN_RPC_DIRS | {None}:
+        # The engine's ZMQ socket files go to a directory of its own, out of the shared /tmp root;
+        # `close` removes it (and process exit, when a crash skips `close`).
+        rpc_dir = tempfile.mkdtemp(prefix="opsd-vllm-")
+        _OWN_RPC_DIRS.add(rpc_dir)
+        os.environ["VLLM_RPC_BASE_PATH"] = rpc_dir
     for key, value in cpu_environment().items():
         os.environ.setdefault(key, value)
     if not torch.cuda.is_available():
         # vLLM's CPU worker pins threads; without this torch in the same process may fall to one.
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    return rpc_dir
+
+
+def _remove_rpc_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _OWN_RPC_DIRS.discard(path)
+    if os.environ.get("VLLM_RPC_BASE_PATH") == path:
+        del os.environ["VLLM_RPC_BASE_PATH"]
 
 
 def _shm_or_tmp() -> str | None:
@@ -43,7 +62,9 @@ def _shm_or_tmp() -> str | None:
 class VLLMEngine:
     def __init__(self, options: VLLMOptions):
         """`VLLMOptions` (opsd/rollout/vllm_args.py) says what each option sets in vLLM."""
-        _set_env_defaults()
+        self.rpc_dir = _set_env_defaults()
+        """This engine's socket directory (None: the user's VLLM_RPC_BASE_PATH); removed on close."""
+        self._remove_rpc_dir = weakref.finalize(self, _remove_rpc_dir, self.rpc_dir) if self.rpc_dir else None
         check_vllm_version()
         from vllm import LLM
 
@@ -61,6 +82,8 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self._lora_request = None  # the adapter every request names, once one was received
         self._adapter_root = Path(tempfile.mkdtemp(prefix="opsd-adapters-", dir=_shm_or_tmp())) if options.max_lora_rank else None
+        if self._adapter_root is not None:  # removed on close, and at exit when a crash skips close (shared memory)
+            weakref.finalize(self, shutil.rmtree, self._adapter_root, ignore_errors=True)
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -176,10 +199,16 @@ class VLLMEngine:
         return self.llm.collective_rpc("compute_weight_checksums")[0]
 
     def close(self) -> None:
+        """Idempotent: an error path may close the engine before its owner does."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
         # The in-process engine core holds threads and sockets until shut down (vLLM's V1 engine).
-        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
-        del self.llm
+        del llm
         if self._adapter_root is not None:
             shutil.rmtree(self._adapter_root, ignore_errors=True)
+        if self._remove_rpc_dir is not None:
+            self._remove_rpc_dir()

@@ -13,7 +13,10 @@
 
 A save writes `checkpoint-{step}.tmp`, fsyncs every file, writes the manifest, then renames the
 directory: a crash at any point leaves either no `checkpoint-{step}` or a complete one.
-Leftover `.tmp` (and `.deleting`) directories are removed at the next start.
+Leftover `.tmp` (and `.deleting`) directories are removed at the next start; a `checkpoint-{step}`
+without its manifest (a save that did not finish, a manifest deleted by hand) is moved aside. A save
+that fails (a full disk, any OSError) removes its `.tmp` and raises `CheckpointSaveError`, which
+names the cause, the free space and the last complete checkpoint.
 
 The training state goes through `torch.distributed.checkpoint` with the state dicts of
 `torch.distributed.checkpoint.state_dict`, so the same code saves plain and FSDP2-sharded modules,
@@ -23,12 +26,14 @@ runs as a single process.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -65,6 +71,10 @@ FAULT_ENV = "OPSD_FAULT_INJECT"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not fit this run; the message says which."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, an OSError); its `.tmp` is removed, the earlier checkpoints are intact."""
 
 
 @dataclass
@@ -106,6 +116,16 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+def _any_rank(failed: bool) -> bool:
+    """Whether any rank failed (every rank calls this: one collective)."""
+    if not _distributed():
+        return failed
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([float(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
 
 
 @contextmanager
@@ -152,6 +172,43 @@ def remove_leftovers(output_dir: Path) -> list[Path]:
                 removed.append(entry)
     _barrier()
     return removed
+
+
+def incomplete_checkpoints(output_dir: Path) -> list[Path]:
+    """`checkpoint-{step}` directories without a manifest: saves that did not finish (or whose
+    manifest was deleted). The save of that step would collide with them."""
+    if not Path(output_dir).is_dir():
+        return []
+    return sorted(
+        entry for entry in Path(output_dir).iterdir()
+        if entry.is_dir() and CHECKPOINT_NAME.match(entry.name) and not (entry / MANIFEST).is_file()
+    )
+
+
+def move_aside(paths: list[Path], label: str) -> list[tuple[Path, Path]]:
+    """Rename each directory to `<name>.<label>-<time>` (rank 0; never deletes); (old, new) pairs."""
+    moved = []
+    if process_rank() == 0:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for path in paths:
+            target = path.with_name(f"{path.name}.{label}-{stamp}")
+            os.rename(path, target)
+            moved.append((path, target))
+    _barrier()
+    return moved
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The size of a complete checkpoint's files, from its manifest."""
+    return sum(record["size"] for record in read_manifest(path)["files"].values())
+
+
+def free_mb(path: Path) -> float:
+    """Free space (MB, 1e6 bytes) of the filesystem holding `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free / 1e6
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -249,16 +306,59 @@ def _file_records(root: Path) -> dict[str, dict]:
 
 
 def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_state: dict) -> Path:
-    """Write `checkpoint-{step}` crash-safely; every rank calls this (the gathers are collective)."""
+    """Write `checkpoint-{step}` crash-safely; every rank calls this (the gathers are collective).
+
+    Before writing, rank 0 checks that the free space holds another checkpoint the size of the
+    newest one. A failure on any rank ends the save on every rank (they agree after each phase):
+    the `.tmp` is removed and `CheckpointSaveError` names the cause when it is the disk or the file
+    system (any other error is raised as it is).
+    """
     final = checkpoint_path(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if process_rank() == 0:
-        if final.exists():
-            raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / RNG_DIR).mkdir(parents=True)
-    _barrier()
+    try:
+        _in_step(_begin_save, output_dir, step, tmp)
+        _in_step(_write_states, tmp, step, parts)
+        _in_step(_commit, tmp, final, step, parts, trainer_state)
+    except (Exception, CheckpointException) as err:
+        if process_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise save_error(output_dir, step, err) from err
+    return final
 
+
+class _OtherRankFailed(Exception):
+    """This rank's part of a save went well, another rank's did not (that rank names the cause)."""
+
+
+def _in_step(phase, *args) -> None:
+    """Run one phase of a save on this rank, then learn whether it went well on every rank."""
+    error = None
+    try:
+        phase(*args)
+    except (Exception, CheckpointException) as err:
+        error = err
+    if _any_rank(error is not None):
+        raise error if error is not None else _OtherRankFailed()
+
+
+def _begin_save(output_dir: Path, step: int, tmp: Path) -> None:
+    if process_rank() != 0:
+        return
+    final = checkpoint_path(output_dir, step)
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; a checkpoint is never overwritten")
+    previous = latest_checkpoint(output_dir)
+    if previous is not None and free_mb(output_dir) < checkpoint_bytes(previous.path) / 1e6:
+        raise CheckpointSaveError(
+            f"saving checkpoint-{step} to {output_dir} failed before writing: not enough free space for a "
+            f"checkpoint the size of {previous.path.name} ({checkpoint_bytes(previous.path) / 1e6:.0f} MB)"
+            f"{_state_of_disk(output_dir)}"
+        )
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / RNG_DIR).mkdir(parents=True)
+
+
+def _write_states(tmp: Path, step: int, parts: TrainingParts) -> None:
     _save_hf_dir(parts.student, parts.processor, tmp / MODEL_DIR)
     teacher_dir = parts.teacher.model_dir(parts.student)
     if teacher_dir is not None:
@@ -269,25 +369,81 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
         dcp.save(_train_state(parts), checkpoint_id=tmp / TRAIN_STATE_DIR)
     _fault_point("train_state", step)
     torch.save(rng_state(), tmp / RNG_DIR / f"rank-{process_rank()}.pt")
-    _barrier()
 
-    if process_rank() == 0:
-        _write_json(tmp / TRAINER_STATE, trainer_state)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "teacher_mode": parts.teacher.mode,
-            "frozen_vision": parts.frozen_vision,
-            "world_size": process_world_size(),
-            "model": model_fingerprint(parts.student),
-            "files": _file_records(tmp),
-        }
-        _write_json(tmp / MANIFEST, manifest)
-        _fault_point("commit", step)
-        os.rename(tmp, final)  # the commit: atomic, so the checkpoint is either absent or complete
-        _fsync(final.parent)
-    _barrier()
-    return final
+
+def _commit(tmp: Path, final: Path, step: int, parts: TrainingParts, trainer_state: dict) -> None:
+    if process_rank() != 0:
+        return
+    _write_json(tmp / TRAINER_STATE, trainer_state)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "teacher_mode": parts.teacher.mode,
+        "frozen_vision": parts.frozen_vision,
+        "world_size": process_world_size(),
+        "model": model_fingerprint(parts.student),
+        "files": _file_records(tmp),
+    }
+    _write_json(tmp / MANIFEST, manifest)
+    _fault_point("commit", step)
+    os.rename(tmp, final)  # the commit: atomic, so the checkpoint is either absent or complete
+    _fsync(final.parent)
+
+
+# --- why a save failed --------------------------------------------------------------------------
+
+DISK_FULL_MB = 1.0
+"""Free space below this after a failed write: the disk was full, whatever error the writer raised."""
+_WRITER_FAILURES = ("inline_container", "IoError", "No space left", "os error", "Disk quota")
+"""Words of the errors torch.save's zip writer and safetensors raise for a failed write (no OSError)."""
+
+
+def _causes(err: BaseException):
+    """`err`, its chained causes, and the per-rank failures a DCP CheckpointException wraps."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+
+
+def _state_of_disk(output_dir: Path) -> str:
+    latest = latest_checkpoint(output_dir)
+    return (f"; free space: {free_mb(output_dir):.0f} MB; the last complete checkpoint is "
+            f"{latest.path.name if latest else 'none'}. Free some space (or choose another logging.output_dir), "
+            "then rerun with checkpoint.resume_from=auto")
+
+
+def save_error(output_dir: Path, step: int, err: BaseException) -> BaseException:
+    """What a failed save ends with: `CheckpointSaveError` naming the cause, the free space and the
+    last complete checkpoint when the disk or the file system failed; `err` itself otherwise."""
+    if isinstance(err, CheckpointError):
+        return err
+    if isinstance(err, _OtherRankFailed):
+        return CheckpointSaveError(f"saving checkpoint-{step} to {output_dir} failed on another rank (its error names the cause)")
+    causes = list(_causes(err))
+    os_error = next((e for e in causes if isinstance(e, OSError) and e.errno), None)
+    writer_error = next((e for e in reversed(causes) if any(word in str(e) for word in _WRITER_FAILURES)), None)
+    if os_error is not None:
+        where = f" ({Path(os_error.filename).name})" if os_error.filename else ""
+        cause = f"{os.strerror(os_error.errno)}{where}"
+    elif free_mb(output_dir) < DISK_FULL_MB:
+        cause = f"{os.strerror(errno.ENOSPC)} ({_one_line(writer_error or causes[-1])})"
+    elif writer_error is not None:
+        cause = _one_line(writer_error)
+    else:
+        return err  # not the disk: a bug, with its traceback
+    return CheckpointSaveError(f"saving checkpoint-{step} to {output_dir} failed: {cause}{_state_of_disk(output_dir)}")
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1].strip() if lines else ''}"
 
 
 # --- verifying and loading ----------------------------------------------------------------------
@@ -356,7 +512,7 @@ def _dcp_load(state: dict, path: Path) -> None:
     try:
         with _single_process_quietly():
             dcp.load(state, checkpoint_id=Path(path) / TRAIN_STATE_DIR)
-    except Exception as err:  # DCP raises several types; name the checkpoint, keep the cause
+    except (Exception, CheckpointException) as err:  # DCP raises several types; name the checkpoint, keep the cause
         raise CheckpointError(f"checkpoint {path}: {TRAIN_STATE_DIR}/ cannot be loaded into this run: {err}") from err
 
 

@@ -8,7 +8,8 @@ checked through the data stream's state. The engine does need the restored weigh
 `model.path`, so the trainer pushes the student into it before the first rollout.
 
 An output directory holds one run's history: a fresh start refuses a directory that already holds
-checkpoints, and a resume refuses one that holds checkpoints newer than the one it resumes from.
+checkpoints, and a resume refuses one that holds checkpoints newer than the one it resumes from
+(unless `checkpoint.discard_newer` moves them aside). Faults and what they leave: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from opsd.config import Config, config_to_dict
+from opsd.device import process_rank
 from opsd.trainer.checkpoint import (
+    CHECKPOINT_NAME,
     CheckpointError,
     TrainingParts,
+    checkpoint_bytes,
+    free_mb,
+    incomplete_checkpoints,
     list_checkpoints,
     load_checkpoint,
     load_rng_state,
+    move_aside,
     read_trainer_state,
     remove_leftovers,
     resolve_checkpoint,
@@ -39,7 +46,8 @@ UNREMARKABLE_CHANGES = ("checkpoint.", "logging.progress_bar", "logging.log_ever
 
 
 def _say(message: str) -> None:
-    tqdm.write(f"checkpoint: {message}")
+    if process_rank() == 0:  # under torchrun every rank manages the same checkpoints: one voice
+        tqdm.write(f"checkpoint: {message}")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -72,9 +80,13 @@ class CheckpointManager:
         self.output_dir = Path(output_dir)
         for path in remove_leftovers(self.output_dir):
             _say(f"removed {path.name}, left behind by an interrupted save")
+        # A checkpoint-N without its manifest is a save that did not finish: it would collide with
+        # this run's save of step N. Kept (renamed), never deleted.
+        for path, target in move_aside(incomplete_checkpoints(self.output_dir), "incomplete"):
+            _say(f"moved {path.name} aside to {target.name}: it has no manifest (a save that did not finish)")
         self.source = self._find_source()
         if self.source is not None:
-            verify_checkpoint(self.source)  # fail before the engine and models are built
+            self._verify_source()  # fail before the engine and models are built
         self.saved_state = read_trainer_state(self.source) if self.source else None
         self.continues = self.source is not None and not self.ckpt.resume_model_only
         self._check_history()
@@ -82,6 +94,8 @@ class CheckpointManager:
         self.counters = dict(self.saved_state["counters"]) if self.continues else {"completion_tokens": 0, "skipped_steps": 0}
         self.parts: TrainingParts | None = None
         self.wandb_run_id: str | None = None
+        self.last_saved_step: int | None = self.resume_step
+        """The step of this run's newest checkpoint (the resumed one at the start)."""
         self._warned_missing_metric = False
 
     @property
@@ -105,16 +119,33 @@ class CheckpointManager:
             return found[-1].path
         return resolve_checkpoint(Path(where))
 
+    def _verify_source(self) -> None:
+        """The resume checkpoint is intact; when it is not, name the newest one beside it that is."""
+        try:
+            verify_checkpoint(self.source)
+        except CheckpointError as err:
+            intact = _newest_intact_before(self.source)
+            if intact is None:
+                raise
+            raise CheckpointError(
+                f"{err}. The newest intact checkpoint is {intact}: continue from it with "
+                f"checkpoint.resume_from={intact} checkpoint.discard_newer=true (the newer ones are moved "
+                "aside, not deleted)"
+            ) from None
+
     def _check_history(self) -> None:
         existing = list_checkpoints(self.output_dir)
         names = ", ".join(c.path.name for c in existing)
         if self.continues:
             later = [c for c in existing if c.step > self.saved_state["step"]]
-            if later:
+            if later and self.ckpt.discard_newer:
+                for path, target in move_aside([c.path for c in later], "discarded"):
+                    _say(f"moved {path.name} aside to {target.name} (checkpoint.discard_newer)")
+            elif later:
                 raise CheckpointError(
                     f"resuming from {self.source} (step {self.saved_state['step']}), but logging.output_dir "
                     f"{self.output_dir} also holds later checkpoints ({', '.join(c.path.name for c in later)}); "
-                    "move them away or resume into another logging.output_dir"
+                    "set checkpoint.discard_newer=true to move them aside, or resume into another logging.output_dir"
                 )
         elif existing:
             hint = (
@@ -202,9 +233,35 @@ class CheckpointManager:
             "metrics": record,
         }
         path = save_checkpoint(self.output_dir, step, parts, trainer_state)
+        self.last_saved_step = step
         _say(f"saved {path}")
         if self.ckpt.save_total_limit:
             keep = {self.best["step"]} if self.best else set()
             for removed in rotate_checkpoints(self.output_dir, self.ckpt.save_total_limit, keep):
                 _say(f"removed {removed.name} (save_total_limit={self.ckpt.save_total_limit})")
+        if step < self.cfg.train.max_steps:
+            self._warn_if_the_next_save_cannot_fit(path)
         return path
+
+    def _warn_if_the_next_save_cannot_fit(self, path: Path) -> None:
+        if process_rank() != 0:
+            return
+        size, free = checkpoint_bytes(path) / 1e6, free_mb(self.output_dir)
+        if free < size:
+            _say(f"WARNING: {free:.0f} MB free in {self.output_dir}, {path.name} took {size:.0f} MB: the next save "
+                 "will not fit and will stop the run; free some space (or lower checkpoint.save_total_limit)")
+
+
+def _newest_intact_before(path: Path) -> Path | None:
+    """The newest complete checkpoint beside `path` (a checkpoint-N) with a smaller step that verifies."""
+    match = CHECKPOINT_NAME.match(Path(path).name)
+    if match is None:
+        return None
+    for ckpt in reversed(list_checkpoints(Path(path).parent)):
+        if ckpt.step < int(match.group(1)):
+            try:
+                verify_checkpoint(ckpt.path)
+                return ckpt.path
+            except CheckpointError:
+                continue
+    return None

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 THIRD_PARTY_LOG = "run.log"
@@ -36,11 +36,11 @@ class OnceFilter(logging.Filter):
 
 
 @contextmanager
-def third_party_output(output_dir: str | Path, *, verbose: bool = False):
-    """Route third-party logging and warnings to `<output_dir>/run.log` (and stderr when `verbose`)
+def third_party_output(output_dir: str | Path, *, verbose: bool = False, log_name: str = THIRD_PARTY_LOG):
+    """Route third-party logging and warnings to `<output_dir>/<log_name>` (and stderr when `verbose`)
     for the duration; yields the log file's path."""
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's loggers then propagate to the root
-    path = Path(output_dir) / THIRD_PARTY_LOG
+    path = Path(output_dir) / log_name
     path.parent.mkdir(parents=True, exist_ok=True)
     handlers = [logging.FileHandler(path)] + ([logging.StreamHandler(sys.stderr)] if verbose else [])
     root = logging.getLogger()
@@ -89,10 +89,13 @@ def _libraries_through_root(*, progress_bars: bool):
 
 @contextmanager
 def native_output_to_log(log_file: Path | None):
-    """Send this process's file descriptors 1 and 2 to `log_file` for the duration (None: leave them).
+    """Send this process's file descriptors 1 and 2, and `sys.stdout` / `sys.stderr`, to `log_file`
+    for the duration (None: leave them).
 
     For native code that prints past Python's `logging` (vLLM's engine start: C++ warnings, its own
-    progress bars). Python's exceptions still reach the console: they are printed after it ends.
+    progress bars), and Python code that prints to a `sys.stderr` that is not descriptor 2 (a
+    notebook, a test's capture). Python's exceptions still reach the console: they are printed
+    after it ends.
     """
     if log_file is None:
         yield
@@ -103,7 +106,8 @@ def native_output_to_log(log_file: Path | None):
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     try:
-        yield
+        with open(log_file, "a", buffering=1) as log, redirect_stdout(log), redirect_stderr(log):
+            yield
     finally:
         sys.stdout.flush(), sys.stderr.flush()
         for fd, copy in zip((1, 2), saved):

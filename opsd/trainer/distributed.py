@@ -8,7 +8,7 @@ return their input, so the recipe has one code path.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from opsd.config import DistributedConfig
 from opsd.device import process_rank, process_world_size, resolve_device
+from opsd.trainer.heartbeat import Heartbeat
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Ranks:
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None
     """FSDP mesh: 1-D (shard) or 2-D (replicate, shard); None in a single process."""
+    heartbeat: Heartbeat | None = field(default=None, compare=False)
+    """Watches another rank (see opsd/trainer/heartbeat.py); None in a single process or when off."""
 
     @property
     def enabled(self) -> bool:
@@ -67,7 +70,13 @@ class Ranks:
         if self.enabled and dist.is_initialized():
             dist.barrier()
 
+    def stop_heartbeat(self) -> None:
+        """This rank is done, finished or failed: its watcher stops waiting for it."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
     def close(self) -> None:
+        self.stop_heartbeat()
         # An in-process vLLM engine tears the process group down in its own shutdown.
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
@@ -93,7 +102,9 @@ def init_distributed(cfg: DistributedConfig, device_name: str) -> Ranks:
             timeout=timedelta(seconds=cfg.timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
-    return Ranks(rank, world_size, local_rank, device, build_mesh(cfg, device, world_size))
+    mesh = build_mesh(cfg, device, world_size)
+    heartbeat = Heartbeat(rank, world_size, cfg.heartbeat_timeout_s) if cfg.heartbeat_timeout_s else None
+    return Ranks(rank, world_size, local_rank, device, mesh, heartbeat)
 
 
 def build_mesh(cfg: DistributedConfig, device: torch.device, world_size: int) -> DeviceMesh:

@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import torch
 
-from opsd.loss import GuardrailSums
+from opsd.loss import GuardrailSums, host_floats
 from opsd.loss_kinds import Loss, weighted_loss
-from opsd.scoring import ScoredBatch, Scoring
+from opsd.scoring import ScoredBatch, Scoring, Timed, untimed
 from opsd.sequences import Example
 from opsd.trainer.distributed import Ranks
 from opsd.trainer.fsdp import full_value, set_gradient_sync
@@ -23,23 +23,26 @@ from opsd.trainer.fsdp import full_value, set_gradient_sync
 
 @dataclass
 class StepSums:
-    """This rank's sums over a step's completion tokens, reduced over ranks for the metrics."""
+    """This rank's sums over a step's completion tokens, reduced over ranks for the metrics. They
+    stay on the device (0-d tensors) until `step_metrics` takes them all in one transfer."""
 
-    distill: float = 0.0
-    ce: float = 0.0
-    mismatch: float = 0.0
-    mismatch_max: float = 0.0
+    distill: float | torch.Tensor = 0.0
+    ce: float | torch.Tensor = 0.0
+    mismatch: float | torch.Tensor = 0.0
+    mismatch_max: float | torch.Tensor = 0.0
     guardrails: GuardrailSums = field(default_factory=GuardrailSums)
 
-    def add(self, scored: ScoredBatch, loss: Loss) -> None:
+    def add(self, scored: ScoredBatch) -> None:
         # Same weights on both sides: a gap here means the engine did not get the last update.
         mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
-        self.distill += scored.distill.detach().sum().item()
-        self.ce -= scored.student_logprobs.detach().sum().item()
-        if not mismatch.isnan().any():  # NaN: no sampler produced these tokens (loss.kind=sft)
-            self.mismatch += mismatch.sum().item()
-            self.mismatch_max = max(self.mismatch_max, mismatch.max().item())
-        self.guardrails.add(scored.guardrails(loss))
+        self.distill += scored.distill.detach().sum().double()
+        self.ce -= scored.student_logprobs.detach().sum().double()
+        # NaN: no sampler produced these tokens (loss.kind=sft); such a micro-batch adds no mismatch.
+        sampled = ~mismatch.isnan().any()
+        self.mismatch += torch.where(sampled, mismatch.sum(), 0.0).double()
+        batch_max = torch.where(sampled, mismatch.max(), 0.0)
+        self.mismatch_max = torch.maximum(self.mismatch_max, batch_max) if torch.is_tensor(self.mismatch_max) else batch_max.clamp(min=self.mismatch_max)
+        self.guardrails.add(scored.guardrails)
 
 
 OnScored = Callable[[list[Example], ScoredBatch], None]
@@ -59,7 +62,7 @@ class TrainStep:
     ranks: Ranks = field(default_factory=Ranks)
 
     def __call__(self, examples: list[Example], total_tokens: int | None = None, padding: Example | None = None,
-                 on_scored: OnScored | None = None) -> dict:
+                 on_scored: OnScored | None = None, timed: Timed = untimed) -> dict:
         """Accumulate gradients over micro-batches of `examples`, then take one optimizer step.
 
         The loss is the sum of per-token losses over the whole step divided by the step's completion
@@ -69,7 +72,8 @@ class TrainStep:
 
         Under torchrun, `total_tokens` counts the completion tokens of all ranks (global token
         normalisation) and the returned metrics are global; `padding` fills up the micro-batches of a
-        rank that has fewer than the busiest one (see `micro_batches`).
+        rank that has fewer than the busiest one (see `micro_batches`). `timed(part)` times each part
+        of the step (`StageTimer.part`: the run logs them as `time_train/<part>_s`).
         """
         loss = self.scoring.loss
         if total_tokens is None:
@@ -79,16 +83,21 @@ class TrainStep:
         sums = StepSums()
         for index, micro in enumerate(batches):
             set_gradient_sync(self.student, index == len(batches) - 1)  # HSDP: all-reduce replicas once, at the end
-            scored = self.scoring.micro_batch(self.student, self.teacher, micro)
+            scored = self.scoring.micro_batch(self.student, self.teacher, micro, timed)
             is_padding = micro[0] is padding
-            backward(scored, loss, total_tokens, weight=0.0 if is_padding else 1.0)
+            with timed("backward"):
+                backward(scored, loss, total_tokens, weight=0.0 if is_padding else 1.0)
             if not is_padding:
-                sums.add(scored, loss)
+                with timed("metrics"):
+                    sums.add(scored)
                 if on_scored is not None:
-                    on_scored(micro, scored)
-            del scored
-        grad_norm = optimizer_step(self.student, self.optimizer, self.max_grad_norm)
-        return step_metrics(sums, grad_norm, loss, self.ranks, total_tokens, num_examples=len(examples))
+                    with timed("rollout_dumps"):
+                        on_scored(micro, scored)
+            with timed("free"):  # the micro-batch's [N, V] logits go back to the allocator
+                del scored
+        grad_norm = optimizer_step(self.student, self.optimizer, self.max_grad_norm, timed)
+        with timed("metrics_reduce"):
+            return step_metrics(sums, grad_norm, loss, self.ranks, total_tokens, num_examples=len(examples))
 
 
 def micro_batches(examples: list[Example], size: int, ranks: Ranks, padding: Example | None) -> list[list[Example]]:
@@ -108,32 +117,37 @@ def backward(scored: ScoredBatch, loss: Loss, total_tokens: int, weight: float =
     (share * weight).backward()  # weight 0 (padding) joins the other ranks' collectives, adds nothing
 
 
-def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor:
+def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
+                   timed: Timed = untimed) -> torch.Tensor:
     """Clip the accumulated gradients (0 = no clip, norm still measured), step, zero; the norm."""
-    params = [p for p in student.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    with timed("clip"):
+        params = [p for p in student.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    with timed("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
 
 def step_metrics(sums: StepSums, grad_norm, loss: Loss, ranks: Ranks, total_tokens: int, *, num_examples: int) -> dict:
     """The step's metrics over all ranks (collectives: every rank calls this): the loss, its kind's
     distillation metric (none for `sft`), CE, and the guardrails that apply to the kind."""
-    distill_sum, ce_sum, mismatch_sum, num_examples, *guardrails = ranks.sum(
-        [sums.distill, sums.ce, sums.mismatch, num_examples, *sums.guardrails.as_list()]
+    # This rank's values leave the device here, once per step.
+    distill, ce, mismatch, mismatch_max, grad_norm, *guardrails = host_floats(
+        [sums.distill, sums.ce, sums.mismatch, sums.mismatch_max, full_value(grad_norm), *sums.guardrails.as_list()]
     )
+    distill_sum, ce_sum, mismatch_sum, num_examples, *guardrails = ranks.sum([distill, ce, mismatch, num_examples, *guardrails])
     distill, ce = distill_sum / total_tokens, ce_sum / total_tokens
     metrics = {"loss": weighted_loss(loss, distill, ce), **({loss.metric: distill} if loss.metric else {}), "ce": ce}
     metrics.update({
-        "grad_norm": full_value(grad_norm).item(),
+        "grad_norm": grad_norm,
         "completion_tokens": total_tokens,
         "completion_len": total_tokens / num_examples,
-        "logprob_mismatch_max": ranks.max([sums.mismatch_max])[0],
+        "logprob_mismatch_max": ranks.max([mismatch_max])[0],
         "logprob_mismatch_mean": mismatch_sum / total_tokens,
     })
     guardrail_metrics = GuardrailSums(*guardrails).metrics()
     metrics.update({name: guardrail_metrics[name] for name in loss.guardrail_names})
     if ranks.enabled:
-        metrics["logprob_mismatch_max_per_rank"] = ranks.gather(sums.mismatch_max)
+        metrics["logprob_mismatch_max_per_rank"] = ranks.gather(mismatch_max)
     return metrics

@@ -13,6 +13,7 @@ from pathlib import Path
 from opsd.loss_kinds import DISTILL_METRICS
 from opsd.trainer.checkpoint import latest_checkpoint
 from opsd.trainer.console import THIRD_PARTY_LOG
+from opsd.trainer.metrics import describe_skipped, off_policy_warning, skipped_rows
 
 SUMMARY_FILE = "summary.json"
 STAGES = ("rollout", "train", "weight_sync", "eval")
@@ -42,9 +43,12 @@ def _first_last(records: list[dict], key: str) -> dict | None:
     return {"first": first, "first_step": first_step, "last": last, "last_step": last_step}
 
 
-def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, start_step: int = 0) -> dict:
+def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, start_step: int = 0,
+                stopped: dict | None = None, mismatch_threshold: float | None = None) -> dict:
     """Steps, wall time by stage, tokens per second (this process's steps, after `start_step`), the
-    first and last value of the loss and evaluation metrics (whole run), and the run's files."""
+    first and last value of the loss and evaluation metrics (whole run), the rows of the data skipped
+    (whole run), warnings, and the run's files. `stopped`: how a stop signal ended it
+    (`RunStopped.describe()`); `mismatch_threshold`: see `off_policy_warning`."""
     output_dir = Path(output_dir)
     mine = [r for r in records if r["step"] > start_step or start_step == 0]  # step 0: the baseline evaluation
     stage_time = {stage: sum(r.get(f"time_{stage}_s", 0.0) for r in mine) for stage in STAGES}
@@ -70,6 +74,9 @@ def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, st
         "tokens_per_s": tokens / wall_time_s if wall_time_s > 0 else math.nan,
         "metrics": (metrics := {key: fl for key in FIRST_LAST_KEYS if (fl := _first_last(records, key)) is not None}),
         "showed": what_it_showed(metrics),
+        "skipped_rows": skipped_rows(records[-1]) if records else {},
+        "warnings": [w for w in [off_policy_warning(records, mismatch_threshold)] if w],
+        "stopped": stopped,
         "files": files,
     }
 
@@ -112,6 +119,11 @@ def format_summary(summary: dict) -> str:
         f"skipped in this process) in {summary['wall_time_s']:.1f} s: {stages}",
         f"  {summary['completion_tokens']} completion tokens, {summary['tokens_per_s']:.1f} tokens/s",
     ]
+    if stopped := summary.get("stopped"):  # the CLI's last line says the rest
+        lines[0] = lines[0].replace("run summary:", f"run summary (stopped by {stopped['signal']}):", 1)
+    if summary.get("skipped_rows"):
+        lines.append(f"  bad rows skipped: {describe_skipped(summary['skipped_rows'])} (data/skipped_* in metrics.jsonl)")
+    lines += [f"  {warning}" for warning in summary.get("warnings", [])]
     if summary.get("showed"):
         lines.append(f"  showed: {summary['showed']}")
     for key, fl in summary["metrics"].items():

@@ -3,7 +3,7 @@ have taken real optimizer steps: what a checkpoint holds, without an engine."""
 
 import torch
 
-from opsd.config import ModelConfig, OptimConfig, TeacherConfig
+from opsd.config import ModelConfig, OptimConfig, TeacherConfig, config_from_dict
 from opsd.data.sample import Sample
 from opsd.data.stream import SampleStream
 from opsd.modeling import load_model, load_processor
@@ -44,3 +44,11 @@ def assert_same_tensors(a: dict, b: dict):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def run_config(output_dir, **checkpoint):
+    """A minimal run config writing to `output_dir`, with these `checkpoint` settings."""
+    return config_from_dict({
+        "model": {"path": "m"}, "data": {"path": "d"},
+        "logging": {"output_dir": str(output_dir)}, "checkpoint": checkpoint,
+    })

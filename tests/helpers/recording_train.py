@@ -4,6 +4,9 @@ Run as `python tests/helpers/recording_train.py --config ...` or under `torchrun
 writes `<output_dir>/pushed_rank{R}.safetensors` (the full tensors it pushed) and
 `<output_dir>/engine_rank{R}.json` (the engine's own parameter digests, when it has them); the last
 step's files remain. A LoRA run with adapter sync records the adapter's tensors (PEFT file keys). Used by tests/integration/test_distributed_train.py.
+
+`OPSD_TEST_SIGNAL=<stage>@<step>[:parent]` sends a SIGTERM at that point (tests/helpers/signals.py).
+Each rank writes its exit status to `<output_dir>/exit_rank{R}` and its pid to `<output_dir>/pid_rank{R}`.
 """
 
 import json
@@ -15,6 +18,7 @@ from safetensors.torch import save_file
 
 import opsd.train
 from opsd.config import load_config
+from tests.helpers import signals
 from opsd.rollout.weight_sync import sync_student
 
 
@@ -54,8 +58,14 @@ def main(argv):
         return stats
 
     opsd.train.sync_student = recording_sync
-    opsd.train.train(cfg)
+    if patch := signals.from_env(os.environ.get("OPSD_TEST_SIGNAL")):
+        setattr(opsd.train, *patch)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"pid_rank{rank}").write_text(str(os.getpid()))
+    status = opsd.train.main(argv)
+    (out / f"exit_rank{rank}").write_text(str(status))
+    return status
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

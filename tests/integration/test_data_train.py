@@ -52,7 +52,7 @@ def test_thinkmorph_parquet_with_bad_rows_trains(tmp_path, tiny_vlm_dir):
     assert skipped(records[-1], "data/eval_skipped_") == Counter(reason for reason, _ in THINKMORPH_DEFECTS[:2])
 
 
-def test_text_jsonl_with_bad_rows_trains_a_text_model(tmp_path, tiny_text_dir):
+def test_text_jsonl_with_bad_rows_trains_a_text_model(tmp_path, tiny_text_dir, capsys):
     data = tmp_path / "text"
     data.mkdir()
     write_text_jsonl(data / "train.jsonl", n_good=4)
@@ -61,10 +61,17 @@ def test_text_jsonl_with_bad_rows_trains_a_text_model(tmp_path, tiny_text_dir):
         tmp_path, tiny_text_dir, [{"path": str(data), "schema": "text", "eval_split": "eval"}],
         "prompts.privileged=[text]", "train.max_forward_tokens=512",
     )
-    records = read_metrics(train(cfg))[1:]  # after the step-0 evaluation
+    output_dir = train(cfg)
+    records = read_metrics(output_dir)[1:]  # after the step-0 evaluation
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
     # The over-long problem is caught by the tokenizer-aware check before any generation.
     assert skipped(records[-1]) == Counter(reason for reason, _ in TEXT_DEFECTS)
+    # ... and the console and the summary say how many rows were skipped and why.
+    reasons = ", ".join(f"{reason} 1" for reason in sorted(reason for reason, _ in TEXT_DEFECTS))
+    out = capsys.readouterr().out
+    assert f"data: bad rows skipped so far: 4 ({reasons})" in out
+    assert f"  bad rows skipped: 4 ({reasons}) (data/skipped_* in metrics.jsonl)" in out
+    assert json.loads((output_dir / "summary.json").read_text())["skipped_rows"] == dict(skipped(records[-1]))
     assert all(r["prompt_too_long"] == 0 for r in records)
     assert "eval/teacher_accuracy" in records[-1]
 

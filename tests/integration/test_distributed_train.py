@@ -7,29 +7,36 @@ and must agree on the loss, and on the weights they push into their engines. The
 two ranks form one tensor-parallel engine (vLLM's external launcher) instead of one engine each.
 """
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from opsd.trainer.checkpoint import list_checkpoints
+from opsd.trainer.stop import EXIT_STOPPED
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-def launch(command, output_dir, tiny_vlm_dir, grid_data_dir, *overrides):
+def launch(command, output_dir, tiny_vlm_dir, grid_data_dir, *overrides, env=None):
     args = [
         "--config", str(ROOT / "configs/demo.yaml"), f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
         f"logging.output_dir={output_dir}", "logging.progress_bar=false", f"train.max_steps={STEPS}",
         "rollout.max_new_tokens=12", "train.grad_accum_steps=2", "optim.warmup_steps=0",
         "optim.schedule=constant", "optim.eps=1e-8", *overrides,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    log = Path(output_dir).with_suffix(".log").open("w")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    log = Path(output_dir).with_suffix(".log").open("a")
     return subprocess.Popen([*command, str(ROOT / "tests/helpers/recording_train.py"), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -37,16 +44,21 @@ class Run:
     def __init__(self, process, output_dir):
         self.process, self.output_dir, self.records = process, Path(output_dir), None
 
+    def wait(self, expected: int = 0) -> None:
+        try:
+            code = self.process.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = "timeout"
+        assert code == expected, f"run ended with {code}, not {expected}:\n{self.log()[-6000:]}"
+
+    def log(self) -> str:
+        return self.output_dir.with_suffix(".log").read_text()
+
     def metrics(self) -> list[dict]:
         """Wait for the run (once) and return its metrics records."""
         if self.records is None:
-            try:
-                code = self.process.wait(timeout=420)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                code = "timeout"
-            log = self.output_dir.with_suffix(".log").read_text()
-            assert code == 0, f"run failed ({code}):\n{log[-6000:]}"
+            self.wait()
             self.records = [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()]
         return self.records
 
@@ -54,9 +66,11 @@ class Run:
         return load_file(self.output_dir / f"pushed_rank{rank}.safetensors")
 
 
-def torchrun(output_dir, tiny_vlm_dir, grid_data_dir, *overrides) -> Run:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    return Run(launch(command, output_dir, tiny_vlm_dir, grid_data_dir, "train.prompts_per_micro_step=1", *overrides), output_dir)
+def torchrun(output_dir, tiny_vlm_dir, grid_data_dir, *overrides, env=None, shutdown_timeout_s=30) -> Run:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               f"--shutdown-timeout={shutdown_timeout_s}"]
+    return Run(launch(command, output_dir, tiny_vlm_dir, grid_data_dir, "train.prompts_per_micro_step=1", *overrides,
+                      env=env), output_dir)
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +103,16 @@ def assert_close_weights(pushed, reference):
     assert (diff > 1e-6).float().mean() < 1e-3
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_vlm_dir, grid_data_dir) -> Run:
+    """The plain 2-rank run: compared with the single process, and the reference of a stopped one."""
+    return torchrun(tmp_path_factory.mktemp("two-ranks") / "run", tiny_vlm_dir, grid_data_dir)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_two_ranks_match_a_single_process_on_the_same_global_batch(tmp_path, tiny_vlm_dir, grid_data_dir, single_process):
-    run = torchrun(tmp_path / "two-ranks", tiny_vlm_dir, grid_data_dir)
+def test_two_ranks_match_a_single_process_on_the_same_global_batch(two_ranks, single_process):
+    run = two_ranks
     assert_same_training(run.metrics(), single_process.metrics())
     # Both ranks' engines hold identical full weights, equal to the single-process run's.
     rank0, rank1 = run.pushed(0), run.pushed(1)
@@ -132,3 +152,92 @@ def test_lora_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, grid
     for role in ("model", "teacher"):
         saved = load_file(run.output_dir / f"checkpoint-{STEPS}" / role / "adapter_model.safetensors")
         assert_close_weights(saved, load_file(single.output_dir / f"checkpoint-{STEPS}" / role / "adapter_model.safetensors"))
+
+
+STOP_BOUND_S = 90
+"""Signal to exit of a stop on the tiny VLM (the rest of the stage, one save, closing); loaded machine, with room."""
+
+
+def exit_statuses(run: Run) -> list[int]:
+    return [int((run.output_dir / f"exit_rank{r}").read_text()) for r in (0, 1)]
+
+
+def checkpoint_files(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {role: load_file(path / role / "model.safetensors") for role in ("model", "teacher")}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_both_ranks_and_the_resumes_end_as_the_uninterrupted_run(tmp_path, tiny_vlm_dir,
+                                                                                              grid_data_dir, two_ranks):
+    """As a scheduler would: SIGTERM to torchrun (sent by rank 0), which forwards it to both ranks. During
+    step 2's rollout: they agree to drop the step, save checkpoint-1 and exit with status 3. Resumed,
+    during step 2's update: they finish it, save checkpoint-2, exit with 3. The last resume trains step 3
+    and ends with the uninterrupted run's checkpoint, bit for bit."""
+    out = tmp_path / "stopped"
+
+    def stopped_run(stage, step, *overrides):
+        run = torchrun(out, tiny_vlm_dir, grid_data_dir, *overrides, env={"OPSD_TEST_SIGNAL": f"{stage}@{step}:parent"},
+                       shutdown_timeout_s=300)  # torchrun's default, 30 s, is short for a real model's save
+        run.process.wait(timeout=420)
+        log = run.log()
+        assert exit_statuses(run) == [EXIT_STOPPED, EXIT_STOPPED], log[-6000:]
+        found = re.findall(r"stopped by SIGTERM at step (\d+) \((\d+\.\d) s after the signal\)", log)[-1]
+        print(f"\nSIGTERM to torchrun during step {step}'s {stage}: rank 0 exited {found[1]} s after the signal")
+        assert float(found[1]) < STOP_BOUND_S
+        return int(found[0]), log
+
+    step, log = stopped_run("rollout", 2)
+    assert step == 1 and [c.step for c in list_checkpoints(out)] == [1]
+    assert log.count("checkpoint: saved") == 1  # rank 0 alone speaks for the checkpoints
+    step, log = stopped_run("train", 2, "checkpoint.resume_from=auto")
+    assert step == 2 and [c.step for c in list_checkpoints(out)] == [1, 2]
+
+    resumed = torchrun(out, tiny_vlm_dir, grid_data_dir, "checkpoint.resume_from=auto")
+    records = resumed.metrics()
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for got, want in zip(records[1:], two_ranks.metrics()[1:]):
+        assert got["loss"] == want["loss"] and got["completion_tokens"] == want["completion_tokens"]
+    final, reference = checkpoint_files(out / f"checkpoint-{STEPS}"), checkpoint_files(two_ranks.output_dir / f"checkpoint-{STEPS}")
+    for role in final:
+        assert all(torch.equal(final[role][name], reference[role][name]) for name in reference[role]), role
+
+
+HEARTBEAT_S = 5
+TORCHRUN_STOP_WAIT_S = 30
+"""How long torchrun waits for the other ranks after one failed before it SIGKILLs them (fixed)."""
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_fails_the_job_within_the_heartbeat_bound(tmp_path, tiny_vlm_dir, grid_data_dir):
+    """SIGSTOP on rank 1 (a frozen process, not a dead one): rank 0 names it and gives up within
+    `distributed.heartbeat_timeout_s` (+ one beat); torchrun ends the job at most 30 s later."""
+    out = tmp_path / "hang"
+    run = torchrun(out, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "rollout.max_new_tokens=4", "train.max_steps=100",
+                   f"distributed.heartbeat_timeout_s={HEARTBEAT_S}")
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and metrics.read_text().strip()) and run.process.poll() is None:
+        assert time.monotonic() < deadline, run.log()[-4000:]
+        time.sleep(0.5)
+    rank1 = int((out / "pid_rank1").read_text())
+    os.kill(rank1, signal.SIGSTOP)
+    stopped_at, named_after = time.monotonic(), None
+    try:
+        while run.process.poll() is None and time.monotonic() - stopped_at < 180:
+            if named_after is None and "stopped answering" in run.log():
+                named_after = time.monotonic() - stopped_at
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank1, signal.SIGKILL)
+    ended_after = time.monotonic() - stopped_at
+    run.process.kill()
+    run.process.wait()
+    print(f"\nSIGSTOP on rank 1: named after {named_after:.1f} s (bound {HEARTBEAT_S * 1.1:.1f} s), "
+          f"the job ended after {ended_after:.1f} s (bound {HEARTBEAT_S * 1.1 + TORCHRUN_STOP_WAIT_S:.1f} s)")
+    assert run.process.returncode not in (0, -signal.SIGKILL)  # it ended by itself, failed
+    assert f"error: rank 1 (pid {rank1} on " in run.log() and "stopped answering: no heartbeat for" in run.log()
+    slack = 15  # a loaded 2-core machine
+    assert named_after < HEARTBEAT_S * 1.1 + slack
+    assert ended_after < HEARTBEAT_S * 1.1 + TORCHRUN_STOP_WAIT_S + slack

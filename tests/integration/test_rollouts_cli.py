@@ -26,12 +26,17 @@ def test_dump_needs_a_config_or_a_model_and_data(tmp_path, capsys):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
+def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir, capfd):
     common = [
         "--config", "configs/demo.yaml", "--num-samples", "2", f"model.path={tiny_vlm_dir}",
         f"data.path={grid_data_dir}", "rollout.max_new_tokens=12",
     ]
     assert main(["dump", *common, "--out", str(tmp_path / "real")]) == 0
+    captured = capfd.readouterr()  # the file descriptors: vLLM's native output included
+    lines = captured.out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"wrote {tmp_path / 'real' / 'step_0_rank_0.parquet'}")
+    assert lines[0].endswith(f"; third-party output: {tmp_path / 'real' / 'dump.log'}")
+    assert captured.err == "" and "vllm" in (tmp_path / "real" / "dump.log").read_text()
     assert main(["dump", *common, "--out", str(tmp_path / "noise"), "prompts.noise=normal"]) == 0
     real = pq.read_table(tmp_path / "real" / "step_0_rank_0.parquet")
     noise = pq.read_table(tmp_path / "noise" / "step_0_rank_0.parquet")
@@ -40,11 +45,11 @@ def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir,
     assert real["completion_ids"].to_pylist() == noise["completion_ids"].to_pylist()
     assert real["teacher_logprobs"].to_pylist() != noise["teacher_logprobs"].to_pylist()
     assert all(":noise-normal@" in ref for refs in noise["teacher_images"].to_pylist() for ref in refs[1:])
-    capsys.readouterr()
+    capfd.readouterr()
 
     plots = tmp_path / "plots"
     assert main(["analyze", str(tmp_path / "real"), "--compare", str(tmp_path / "noise"), "--out", str(plots)]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "== summary" in out and "real" in out and "noise" in out
     assert "mean divergence by completion position" in out and "positions with the largest divergence" in out
     completions_line = next(line for line in out.splitlines() if line.startswith("completions"))

@@ -29,14 +29,7 @@ from opsd.trainer.checkpoint_manager import CheckpointManager, changed_settings
 from opsd.trainer.metrics import MetricsLogger, drop_records_after
 from opsd.trainer.optim import build_optimizer
 from opsd.trainer.rng import rng_state, set_rng_state
-from tests.helpers.parts import assert_same_tensors, make_parts, take_steps
-
-
-def run_config(output_dir, **checkpoint):
-    return config_from_dict({
-        "model": {"path": "m"}, "data": {"path": "d"},
-        "logging": {"output_dir": str(output_dir)}, "checkpoint": checkpoint,
-    })
+from tests.helpers.parts import assert_same_tensors, make_parts, run_config, take_steps
 
 
 @pytest.fixture

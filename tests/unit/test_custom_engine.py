@@ -21,18 +21,18 @@ def test_engine_import_path_is_checked_at_config_load(tmp_path, tiny_vlm_dir, gr
             demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, f"rollout.engine={bad}")
 
 
-@pytest.mark.parametrize("path, error, message", [
-    ("no_such_pkg.engines:Engine", ImportError, "cannot import module 'no_such_pkg.engines'"),
-    ("tests.helpers.recording_engine:NoSuchEngine", ImportError, "has no attribute 'NoSuchEngine'"),
-    ("tests.helpers.recording_engine:json", TypeError, "is not a class or function"),
-    ("collections:OrderedDict", TypeError, "without generate, begin_weight_update"),
-    ("tests.helpers.recording_engine:Undeclared", TypeError, "without `capabilities`: declare its optional abilities"),
-    ("tests.helpers.recording_engine:SleepsWithoutMethod", TypeError,
+@pytest.mark.parametrize("path, message", [
+    ("no_such_pkg.engines:Engine", "cannot import module 'no_such_pkg.engines'"),
+    ("tests.helpers.recording_engine:NoSuchEngine", "has no attribute 'NoSuchEngine'"),
+    ("tests.helpers.recording_engine:json", "is not a class or function"),
+    ("collections:OrderedDict", "OrderedDict has no generate, begin_weight_update"),
+    ("tests.helpers.recording_engine:Undeclared", "without `capabilities`: declare its optional abilities"),
+    ("tests.helpers.recording_engine:SleepsWithoutMethod",
      "SleepsWithoutMethod.capabilities declares release_memory but SleepsWithoutMethod has no such method"),
 ])
-def test_bad_engine_import_path_fails_at_start_naming_the_key(tmp_path, tiny_vlm_dir, grid_data_dir, path, error, message):
+def test_bad_engine_import_path_fails_at_start_naming_the_key(tmp_path, tiny_vlm_dir, grid_data_dir, path, message):
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, f"rollout.engine={path}")
-    with pytest.raises(error, match="rollout.engine") as info:
+    with pytest.raises(ConfigError, match="rollout.engine") as info:
         make_engine(cfg, str(tiny_vlm_dir), processor=None)
     assert message in str(info.value) and path in str(info.value)
 

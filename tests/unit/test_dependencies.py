@@ -6,7 +6,7 @@
     models (modeling, tiny_models, convert_smollm2, smollm2_vlm, vl_processor, lora): config and prompts
     rollout: prompts and below, models; evaluation (and retention): rollout, prompts, sequences, scoring
     pipeline (prompts -> rollout -> sequences): sequences, rollout and below
-    dumps: pipeline, scoring, teacher, rollout, evaluation, the checkpoint format; the recipe and CLIs: everything
+    dumps: pipeline, scoring, teacher, rollout, evaluation, the checkpoint format, the quiet console; the recipe and CLIs: everything
 
 Every `import`, including those inside functions, counts; nothing imports the recipe.
 """
@@ -58,7 +58,7 @@ MAY_IMPORT = {  # group: the groups (or module prefixes) it may import, besides 
     "evaluation": {"config", "data", "prompts", "rollout", "sequences", "scoring"},
     "pipeline": {"config", "data", "prompts", "sequences", "models", "rollout"},
     "dumps": {"config", "data", "prompts", "sequences", "scoring", "loss_kinds", "teacher", "models", "rollout",
-              "evaluation", "pipeline", "opsd.trainer.checkpoint"},
+              "evaluation", "pipeline", "opsd.trainer.checkpoint", "opsd.trainer.console"},
     "cli": set(GROUPS) - {"recipe"},
     "recipe": set(GROUPS) - {"recipe"},
 }

@@ -1,10 +1,12 @@
 """Scoring: completion-position logits (as the model's own forward computes them, or the model is
 refused by name), and both roles' per-token terms of a micro-batch."""
 
+import collections
 import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opsd.config import JsdLossConfig, TinkerLossConfig
 from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
@@ -153,3 +155,68 @@ def test_unknown_logit_postprocessing_is_refused_by_name():
     with pytest.raises(UnsupportedModelError, match="model type 'qwen2' \\(DoubledLogits\\)"):
         check_scoring_matches_forward(model)
     check_scoring_matches_forward(tiny(Qwen2ForCausalLM, Qwen2Config))
+
+
+@torch.no_grad()
+def recomputed_guardrails(s, t, *, beta, temperature, top_k, token_clip, clip_mode):
+    """The guardrail sums as the step computed them before they came from the loss's own pass: the
+    student's log-softmax, the teacher's top-k and the per-entry terms all computed again."""
+    log_s = torch.log_softmax(s.double(), -1)
+    entropy = -(log_s.exp() * log_s).sum().item()
+    if not top_k:
+        return {"teacher_topk_mass": 1.0, "clip_fraction": 0.0, "student_entropy": entropy / len(s)}
+    top_t, idx = t.topk(top_k, -1)
+    kept = torch.logsumexp(top_t.double() / temperature, -1) - torch.logsumexp(t.double() / temperature, -1)
+    ps = torch.softmax(s.double().gather(-1, idx) / temperature, -1)
+    pt = torch.softmax(top_t.double() / temperature, -1)
+    m = (1 - beta) * ps + beta * pt
+    terms = beta * pt * (pt.log() - m.log()) + (1 - beta) * ps * (ps.log() - m.log())
+    if clip_mode == "token":
+        terms = terms.sum(-1)
+    return {"teacher_topk_mass": kept.exp().mean().item(), "clip_fraction": (terms > token_clip).double().mean().item(),
+            "student_entropy": entropy / len(s)}
+
+
+class FullRowPasses(TorchDispatchMode):
+    """Counts the calls of some ops, and of those on full-vocabulary rows (last dimension `vocab`)."""
+
+    OPS = ("topk", "_log_softmax", "logsumexp")
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.calls, self.full_rows = vocab, collections.Counter(), collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.OPS:
+            self.calls[name] += 1
+            self.full_rows[name] += args[0].shape[-1] == self.vocab
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cfg", [
+    JsdLossConfig(top_k=16, token_clip=0.002),
+    JsdLossConfig(top_k=16, token_clip=0.02, clip_mode="token", temperature=2.0, beta=0.3),
+    TinkerLossConfig(),
+], ids=["jsd-entry-clip", "jsd-token-clip-T2", "tinker"])
+def test_the_guardrails_come_from_the_loss_pass_and_equal_a_recomputation(model_and_processor, cfg):
+    model, processor = model_and_processor
+    examples = text_examples(processor, [4, 2, 6])
+    score = scoring(cfg, processor)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with FullRowPasses(vocab) as ops:
+        scored = score.micro_batch(model, model, examples)
+    loss = score.loss
+    got = {name: value for name, value in scored.guardrails.metrics().items() if name in loss.guardrail_names}
+    settings = dict(beta=0.5, temperature=1.0, top_k=0, token_clip=0.0, clip_mode="entry")
+    settings.update({k: getattr(cfg, k) for k in settings if hasattr(cfg, k)})
+    expected = recomputed_guardrails(scored.student_logits.detach(), scored.teacher_logits, **settings)
+    assert got == pytest.approx({name: expected[name] for name in got}, rel=1e-5, abs=1e-7)
+    if "clip_fraction" in got:
+        assert 0 < got["clip_fraction"] < 1  # the clip bound somewhere, and not everywhere
+    # Each full-vocabulary pass once: the student's log-softmax (its logprobs and entropy); for the
+    # JSD the teacher's top-k and its log-normaliser (the top-k mass), for tinker the log-normalisers
+    # of both roles at the sampled tokens (the loss itself). Before, the guardrails redid the top-k,
+    # the student's log-softmax and the teacher's slices.
+    jsd = isinstance(cfg, JsdLossConfig)
+    assert ops.full_rows == collections.Counter({"_log_softmax": 1, "topk": 1 if jsd else 0, "logsumexp": 1 if jsd else 2})

@@ -1,9 +1,11 @@
 """The optimizer step: global token normalisation, so the update does not depend on the micro-batch size."""
 
 import copy
+import traceback
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from opsd.config import JsdLossConfig, TinkerLossConfig
 from opsd.loss_kinds import build_loss
@@ -71,3 +73,30 @@ def test_padding_fills_up_to_the_busiest_rank():
 
     pad = padding_example(EncodedPrompt([1]), EncodedPrompt([1]), 0)
     assert _fewer([], pad) == [[pad], [pad]]
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the values opsd's code takes from tensors to the host one by one (`.item()`,
+    `float(t)`, `bool(t)`: each a device sync on a GPU); not the model's own (transformers' attention
+    mask checks, which a bare forward pays too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_local_scalar_dense":
+            self.count += not any("/transformers/" in frame.filename for frame in traceback.extract_stack())
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_syncs_do_not_grow_with_the_micro_batches(model_and_processor):
+    model, processor = model_and_processor
+    examples = text_examples(processor, [2, 7, 3, 5, 1], seed=3)
+    cfg = JsdLossConfig(top_k=16, token_clip=0.01, ce_weight=0.3)  # every guardrail and the CE
+    syncs = {}
+    for size in (5, 1):  # one micro-batch, then five
+        with HostSyncs() as counter:
+            one_step(model, processor, examples, size, cfg)
+        syncs[size] = counter.count
+    assert syncs[1] == syncs[5], syncs  # the step's sums leave the device once, at its end

@@ -60,6 +60,65 @@ def test_the_summary_says_what_moved_and_what_did_not():
     assert "nothing to compare" in what_it_showed({})
 
 
+def mismatch_records(values, start=1):
+    return [{"step": start + i, "loss": 0.1, "logprob_mismatch_mean": v} for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("dtype, values, warns", [
+    ("float32", [1e-6, 1e-6, 1e-6], False),
+    ("float32", [0.5, 0.4, 0.6], True),
+    ("float32", [0.5, 1e-6, 0.6], False),  # not for 3 steps in a row
+    ("float32", [0.5, 0.6], False),  # too few steps to say
+    ("bfloat16", [0.03, 0.05, 0.04], False),  # bfloat16's own rounding
+    ("bfloat16", [0.5, 0.4, 0.6], True),
+])
+def test_samples_that_are_not_the_students_are_called_so(dtype, values, warns, tmp_path):
+    from opsd.config import config_from_dict
+    from opsd.trainer.metrics import RecordWatch, mismatch_threshold, off_policy_warning
+
+    threshold = mismatch_threshold(config_from_dict({"model": {"path": "m", "dtype": dtype}, "data": {"path": "d"}}))
+    records = mismatch_records(values)
+    assert (off_policy_warning(records, threshold) is not None) == warns
+    watch = RecordWatch(threshold)
+    lines = [line for r in records for line in watch.lines(r)]
+    assert len(lines) == int(warns) and all("the engine's samples are not the student's" in line for line in lines)
+    summary = run_summary(records, output_dir=tmp_path, wall_time_s=1.0, mismatch_threshold=threshold)
+    assert len(summary["warnings"]) == int(warns)
+
+
+def test_no_mismatch_check_where_nothing_is_sampled_or_scores_are_noisy():
+    from opsd.config import config_from_dict
+    from opsd.trainer.metrics import mismatch_threshold
+
+    def cfg(**sections):
+        return config_from_dict({"model": {"path": "m"}, "data": {"path": "d"}, **sections})
+
+    assert mismatch_threshold(cfg(loss={"kind": "sft", "ce_weight": 1.0}, prompts={"privileged": ["text"]})) is None
+    assert mismatch_threshold(cfg(model={"path": "m", "lora": {"dropout": 0.1}})) is None
+
+
+def test_skipped_rows_are_said_when_they_grow_and_summed_up_at_the_end(tmp_path):
+    from opsd.trainer.metrics import RecordWatch
+
+    records = [{"step": 1, "data/skipped_corrupt_image": 1}, {"step": 2, "data/skipped_corrupt_image": 1},
+               {"step": 3, "data/skipped_corrupt_image": 2, "data/skipped_empty_question": 1}]
+    watch = RecordWatch()
+    lines = [watch.lines(r) for r in records]
+    assert lines[0] == ["data: bad rows skipped so far: 1 (corrupt_image 1) (data/skipped_* in metrics.jsonl; "
+                        "data.on_bad_sample=error stops at the first)"]
+    assert lines[1] == [] and "3 (corrupt_image 2, empty_question 1)" in lines[2][0]
+    summary = run_summary(records, output_dir=tmp_path, wall_time_s=1.0)
+    assert summary["skipped_rows"] == {"corrupt_image": 2, "empty_question": 1}
+    assert "  bad rows skipped: 3 (corrupt_image 2, empty_question 1)" in format_summary(summary)
+
+
+def test_a_stopped_run_says_so(tmp_path):
+    stopped = {"signal": "SIGTERM", "step": 4, "checkpoint": "checkpoint-4", "seconds_since_signal": 2.5}
+    summary = run_summary(mismatch_records([1e-6]), output_dir=tmp_path, wall_time_s=1.0, stopped=stopped)
+    assert summary["stopped"] == stopped
+    assert format_summary(summary).startswith("run summary (stopped by SIGTERM): step 1 ")
+
+
 def test_the_summary_says_how_retention_moved(tmp_path):
     records = [
         {"step": 0, "eval/accuracy": 0.0, "eval/retention_accuracy": 1.0, "eval/retention_nll": 3.125, "time_eval_s": 1.0},
