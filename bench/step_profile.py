@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -112,6 +113,7 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
     from opsd.prompts import student_prompt
     from opsd.rollout import sampling_settings
     from opsd.rollout.vllm_args import sampling_params
+    from opsd.rollout.vllm_engine import VLLMEngine
     from opsd.rollout.vllm_reload import reset_caches
     from opsd.rollout.weight_sync import sync_student
     from opsd.train import build_sequences, end_run, start_run, training_stage
@@ -122,16 +124,19 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
     startup_s = time.perf_counter() - started
     threads = torch.get_num_threads()
     engine = run.engine
+    against_vllm = isinstance(engine, VLLMEngine)  # the direct comparison needs vLLM's own LLM
     rows = []
     for index in range(warmup + steps):
         step, row, first = index + 1, {}, index % 2  # which of each pair goes first alternates
         settings = sampling_settings(cfg, step, run.processor)
         samples = run.stream.take(cfg.prompts_per_step)  # what `opsd.train.sample` takes, outside the timing
-        requests = direct_requests(engine, [student_prompt(s, run.processor, cfg.prompts) for s in samples])
-        params = [SamplingParams(**sampling_params(settings, i), skip_special_tokens=True) for i in range(len(requests))]
+        if against_vllm:
+            requests = direct_requests(engine, [student_prompt(s, run.processor, cfg.prompts) for s in samples])
+            params = [SamplingParams(**sampling_params(settings, i), skip_special_tokens=True) for i in range(len(requests))]
 
         def ours():
-            reset_caches(engine.llm)
+            if against_vllm:
+                reset_caches(engine.llm)
             with timed(row, "rollout"):
                 row["completions"] = sample_rollout(engine, samples, run.processor, cfg, step)
 
@@ -140,7 +145,7 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
             with timed(row, "direct_vllm"):
                 engine.llm.generate(requests, params, use_tqdm=False)
 
-        for fn in ((ours, direct) if first == 0 else (direct, ours)):
+        for fn in ((ours, direct) if first == 0 else (direct, ours)) if against_vllm else (ours,):
             fn()
         rollout = row.pop("completions")
         examples, _, _ = build_sequences(run, rollout)  # the floor's copy of what the stage builds
@@ -166,7 +171,8 @@ def profile_setting(cfg, log_file, steps: int, warmup: int) -> dict:
             rows.append(row)
         parts = " ".join(f"{name} {seconds:.2f}" for name, seconds in row["parts"].items())
         print(f"step {step}: stage {row['time_train_s']:.2f} s ({parts}), floor {row['floor']['wall_s']:.2f} s, rollout "
-              f"{row['rollout']['wall_s']:.2f} s, direct vLLM {row['direct_vllm']['wall_s']:.2f} s", file=sys.stderr, flush=True)
+              f"{row['rollout']['wall_s']:.2f} s" + (f", direct vLLM {row['direct_vllm']['wall_s']:.2f} s" if against_vllm else ""),
+              file=sys.stderr, flush=True)
     end_run(run)
     return summarise(rows, startup_s, threads)
 
@@ -195,9 +201,10 @@ def summarise(rows: list[dict], startup_s: float, threads: int) -> dict:
         "unaccounted_s": median(unaccounted),
         "parts_sum_over_time_train": median([sum(r["parts"].values()) / r["time_train_s"] for r in rows]),
         "rollout": pair("rollout"),
-        "direct_vllm": pair("direct_vllm"),
-        "rollout_over_direct_vllm": median([r["rollout"]["wall_s"] / r["direct_vllm"]["wall_s"] for r in rows]),
         "weight_sync": pair("weight_sync"),
+        **({"direct_vllm": pair("direct_vllm"),
+            "rollout_over_direct_vllm": median([r["rollout"]["wall_s"] / r["direct_vllm"]["wall_s"] for r in rows])}
+           if "direct_vllm" in rows[0] else {}),  # a vLLM engine only
     }
 
 
@@ -298,7 +305,8 @@ def child(name: str, args) -> dict:
 
     config, overrides = (args.config, args.overrides) if args.config else SETTINGS.get(name, (SMOLLM2, ["teacher.mode=self"]))
     with tempfile.TemporaryDirectory(prefix="opsd-step-profile-") as tmp:
-        cfg = load_config(ROOT / config, [*overrides, f"logging.output_dir={tmp}", "logging.progress_bar=false", "eval.every=0"])
+        cfg = load_config(ROOT / config, [*overrides, f"logging.output_dir={tmp}", "logging.progress_bar=false",
+                                                "eval.every=0", "eval.retention=null"])  # steps only: no evaluation
         with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file:
             if name == ENGINE_LOGPROBS:
                 return {"config": config, "overrides": overrides, **engine_teacher_logprobs(cfg, log_file, args.steps)}
@@ -316,7 +324,8 @@ def acceptance(settings: list[dict], rollout_ratio: float) -> dict:
         if target:
             out[f"{s['name']}_stage_within_{target}x_floor"] = s["stage_over_floor"] <= target
         out[f"{s['name']}_parts_within_{PARTS_TOLERANCE:.0%}"] = abs(1 - s["parts_sum_over_time_train"]) <= PARTS_TOLERANCE
-    out["rollout_at_least_0.9x_direct_vllm_speed"] = 1 / rollout_ratio >= 0.9
+    if not math.isnan(rollout_ratio):  # nan: no setting ran a vLLM engine
+        out["rollout_at_least_0.9x_direct_vllm_speed"] = 1 / rollout_ratio >= 0.9
     return out
 
 
