@@ -15,7 +15,8 @@ picture is drawn anew (shade; a shape's place, size and angle) from (seed, split
 
 Files written by `write_dataset` (parquet, the project schema without problem images; configure
 `columns: {images: []}` and `prompts.images_after_text: true`):
-    train.parquet, eval.parquet   id, question, answer, privileged_images (one picture),
+    train.parquet, eval.parquet,  id,
+    validation.parquet (when asked) question, answer, privileged_images (one picture),
                                   privileged_text (the fact's sentence before its value),
                                   fact (the whole sentence in words: what `loss.kind=sft` trains on
                                   with `columns.privileged_text=fact`)
@@ -96,14 +97,16 @@ def fact_parts(fact: dict) -> tuple[str, str]:
     return sentence[: sentence.rindex(fact["value"])].rstrip(), sentence
 
 
-def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, image_size: int = 64):
-    """(train rows, eval rows) as dicts with a PIL `picture` of the value; row i of a split asks
-    about fact i % n_facts with phrasing i // n_facts of that split's phrasings (cycled)."""
+def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, image_size: int = 64,
+              n_validation: int = 0) -> dict[str, list[dict]]:
+    """Rows by split (`train`, `eval`, `validation`) as dicts with a PIL `picture` of the value; row i
+    of a split asks about fact i % n_facts with phrasing i // n_facts of that split's phrasings (cycled)."""
     n_facts = n_eval if n_facts is None else n_facts
     check_fact_count(n_facts, n_eval)
     facts = make_facts(seed, n_facts)
-    rows: dict[str, list[dict]] = {"train": [], "eval": []}
-    for split, index, fact, question in question_rows(facts, RELATIONS, {"train": n_train, "eval": n_eval}):
+    counts = {"train": n_train, "eval": n_eval, "validation": n_validation}
+    rows: dict[str, list[dict]] = {split: [] for split in counts}
+    for split, index, fact, question in question_rows(facts, RELATIONS, counts):
         rng = random.Random(f"opsd-picture-facts-row:{seed}:{split}:{index}")
         before, sentence = fact_parts(fact)
         rows[split].append({
@@ -114,7 +117,7 @@ def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, 
             "privileged_text": before,
             "fact": sentence,
         })
-    return rows["train"], rows["eval"]
+    return rows
 
 
 def _features():
@@ -125,13 +128,16 @@ def _features():
 
 
 def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts: int | None = None,
-                  image_size: int = 64) -> pathlib.Path:
-    """Write train.parquet and eval.parquet under out_dir; return out_dir."""
+                  image_size: int = 64, n_validation: int = 0) -> pathlib.Path:
+    """Write train.parquet, eval.parquet (and validation.parquet when asked for rows) under out_dir;
+    return out_dir."""
     from datasets import Dataset
 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in zip(("train", "eval"), make_rows(seed, n_train, n_eval, n_facts, image_size)):
+    for name, rows in make_rows(seed, n_train, n_eval, n_facts, image_size, n_validation).items():
+        if not rows and name == "validation":
+            continue
         columns = {key: [r[key] for r in rows] for key in ("id", "question", "answer", "privileged_text", "fact")}
         columns["privileged_images"] = [[_png(r["picture"])] for r in rows]
         Dataset.from_dict(columns, features=_features()).to_parquet(str(out / f"{name}.parquet"))

@@ -17,6 +17,7 @@ def test_build_is_timed_cached_and_deterministic(tmp_path):
     record = json.loads((first / "build.json").read_text())
     assert record["settings"]["align_steps"] == 4 and record["wall_s"] > 0 and record["cpu_s"] > 0
     assert 0.0 <= record["accuracy_before"] <= 1.0 and 0.0 <= record["accuracy"] <= 1.0
+    assert record["mse"] < 0.8 * record["mse_before"]  # four steps already move the image token towards its word
     config = json.loads((first / "config.json").read_text())
     assert config["architectures"] == ["Idefics3ForConditionalGeneration"] and IMAGE_SEQ_LEN == 1
     assert not (tmp_path / "a.partial").exists()

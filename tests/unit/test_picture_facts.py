@@ -18,15 +18,17 @@ CONFIG = "configs/learn_picture_facts_smollm2_vlm.yaml"
 
 def test_same_seed_same_files_other_seed_other_facts(tmp_path):
     a = write_dataset(tmp_path / "a", n_train=24, n_eval=16, seed=3)
-    b = write_dataset(tmp_path / "b", n_train=24, n_eval=16, seed=3)
+    b = write_dataset(tmp_path / "b", n_train=24, n_eval=16, seed=3, n_validation=8)
+    assert not (a / "validation.parquet").exists() and (b / "validation.parquet").exists()
     for name in ("train.parquet", "eval.parquet"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
     assert make_facts(3, 16) != make_facts(4, 16)
 
 
 def test_the_value_is_only_in_the_picture_and_the_picture_shows_only_the_value():
-    train, evaluation = make_rows(0, 48, 64, n_facts=16)
-    for row in train + evaluation:
+    rows = make_rows(0, 48, 64, n_facts=16, n_validation=32)
+    train, evaluation = rows["train"], rows["eval"]
+    for row in train + evaluation + rows["validation"]:
         assert row["answer"] not in row["question"].lower() and row["answer"] not in row["privileged_text"]
         assert row["fact"] == f"{row['privileged_text']} {row['answer']}."
         pixels = np.asarray(row["picture"]).reshape(-1, 3).astype(int)
@@ -44,10 +46,13 @@ def test_the_value_is_only_in_the_picture_and_the_picture_shows_only_the_value()
 
 
 def test_held_out_phrasings_and_every_evaluated_fact_taught():
-    train, evaluation = make_rows(1, 48, 64, n_facts=16)
-    assert not {r["question"] for r in train} & {r["question"] for r in evaluation}
+    rows = make_rows(1, 48, 64, n_facts=16, n_validation=32)
+    train, evaluation, validation = rows["train"], rows["eval"], rows["validation"]
+    questions = [{r["question"] for r in split} for split in (train, evaluation, validation)]
+    assert all(not a & b for i, a in enumerate(questions) for b in questions[i + 1:])  # three disjoint sets
     taught = {r["privileged_text"]: r["answer"] for r in train}
-    assert all(taught[r["privileged_text"]] == r["answer"] for r in evaluation)
+    assert all(taught[r["privileged_text"]] == r["answer"] for r in evaluation + validation)
+    assert len(validation) == 32
     assert len(taught) == 16
     assert {q for rel in RELATIONS for q in rel.held_out}.isdisjoint(q for rel in RELATIONS for q in rel.train)
 
