@@ -23,7 +23,7 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
                  the controls within 5, the teacher's prompt 30 points above the student's at step 0.
 
     .venv/bin/python bench/learning.py [--tasks text_facts visual] [--runs opsd no_privileged noise sft]
-        [--visual-runs opsd noise no_privileged sft]
+        [--visual-runs opsd noise no_privileged sft] [--visual-opsd-steps 20]
         [--opsd-steps 30] [--out runs/learn] [key=value ...]
 
 The model is converted first (timed apart). Prints progress to stderr and, last, one JSON object to
@@ -227,14 +227,19 @@ def text_facts_acceptance(runs: dict, steps: int, comparison: dict | None) -> di
     return out
 
 
-def plot_text_facts(task: dict, path: Path) -> None:
-    """Held-out accuracy (left) and retention (general questions, held-out text NLL) by step."""
+def plot_task(task: dict, path: Path) -> None:
+    """Held-out accuracy by step; beside it, when the task probes retention, the general questions
+    right and the held-out text's NLL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (acc, questions, nll) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    if task["retention"]:
+        fig, (acc, questions, nll) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    else:
+        fig, acc = plt.subplots(figsize=(6.5, 4.2))
+        questions = nll = None
     base = None
     for name, run in task["runs"].items():
         steps = [e["step"] for e in run["eval"]]
@@ -243,9 +248,9 @@ def plot_text_facts(task: dict, path: Path) -> None:
         if name == "opsd" and run["eval"][0]["teacher_accuracy"] is not None:
             acc.plot(steps, [100 * e["teacher_accuracy"] for e in run["eval"]], "s--", color=colour, alpha=0.6,
                      label="opsd: teacher prompt")
-        if run["eval"][0]["retention_accuracy"] is not None:
+        if questions is not None and run["eval"][0]["retention_accuracy"] is not None:
             questions.plot(steps, [100 * e["retention_accuracy"] for e in run["eval"]], "o-", color=colour, label=name)
-        if run["eval"][0]["retention_nll"] is not None:
+        if nll is not None and run["eval"][0]["retention_nll"] is not None:
             nll.plot(steps, [e["retention_nll"] for e in run["eval"]], "o-", color=colour, label=name)
         if base is None:
             base = 100 * run["eval"][0]["student_accuracy"]
@@ -254,14 +259,16 @@ def plot_text_facts(task: dict, path: Path) -> None:
     acc.set_ylabel("held-out accuracy, greedy (%)")
     acc.set_ylim(-2, 102)
     acc.set_title(task["title"], fontsize=9)
-    questions.set_ylabel("general questions right, greedy (%)")
-    questions.set_ylim(-2, 102)
-    questions.set_title(f"retention: {task['retention'].get('questions') or 'no'} questions the base model knew", fontsize=9)
-    nll.set_ylabel("NLL of a held-out text (nats/token, lower is better)")
-    nll.set_title(f"retention: {task['retention'].get('text') or 'no text probe'}", fontsize=9)
+    if questions is not None:
+        questions.set_ylabel("general questions right, greedy (%)")
+        questions.set_ylim(-2, 102)
+        questions.set_title(f"retention: {task['retention']['questions']} questions the base model knew", fontsize=9)
+        nll.set_ylabel("NLL of a held-out text (nats/token, lower is better)")
+        nll.set_title(f"retention: {task['retention']['text'] or 'no text probe'}", fontsize=9)
     for ax in (acc, questions, nll):
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
+        if ax is not None:
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
     acc.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -276,11 +283,13 @@ def text_facts_task(args, out: Path, progress) -> dict:
 
 
 def visual_acceptance(runs: dict, steps: int, comparison: dict | None) -> dict:
-    """The bar of the visual task, in points at `steps`: OPSD +15 from step 0, the controls within 5,
-    and the teacher's prompt (with the picture) 30 above the student's at step 0."""
-    out = {f"{name}_gain_points": g for name, run in runs.items() if (g := gain_points(run, steps)) is not None}
+    """The bar of the visual task, in points from step 0 to each run's last evaluation: OPSD +15, the
+    controls within 5, and the teacher's prompt (with the picture) 30 above the student's at step 0.
+    `opsd_gain_points_at_<steps>`: opsd at the controls' length."""
+    out = {f"{name}_gain_points": g for name, run in runs.items() if (g := gain_points(run, run["eval"][-1]["step"])) is not None}
     if "opsd" in runs:
-        out["opsd_gains_15_points"] = out.get("opsd_gain_points", -100) >= 15
+        out[f"opsd_gain_points_at_{steps}"] = gain_points(runs["opsd"], steps)
+        out["opsd_gains_15_points"] = out["opsd_gain_points"] >= 15
         start = runs["opsd"]["eval"][0]
         out["teacher_gap_step_0_points"] = round(100 * (start["teacher_accuracy"] - start["student_accuracy"]), 1)
         out["teacher_30_points_above_student_at_step_0"] = out["teacher_gap_step_0_points"] >= 30
@@ -302,7 +311,7 @@ def visual_task(args, out: Path, progress) -> dict:
         print(f"building the seeing SmolLM2 into {model_dir} ...", file=sys.stderr, flush=True)
         build["wall_s"], build["cpu_s"] = run_child(["-m", "opsd.smollm2_vlm", "--out", str(model_dir)], out / "build.log")
     task = run_task(args, out, progress, title="SmolLM2-135M with a taught vision tower learns facts its teacher only sees as pictures",
-                    config=VISUAL_CONFIG, controls=VISUAL_CONTROLS, run_names=args.visual_runs, overrides=args.visual_overrides, opsd_steps=None,
+                    config=VISUAL_CONFIG, controls=VISUAL_CONTROLS, run_names=args.visual_runs, overrides=args.visual_overrides, opsd_steps=args.visual_opsd_steps,
                     acceptance=visual_acceptance, extra={"vlm_build": build})
     task["wall_s"] += build["wall_s"]
     task["cpu_s"] += build["cpu_s"]
@@ -348,7 +357,7 @@ def run_task(args, out: Path, progress, *, title: str, config: str, controls: di
         task["cpu_s"] = sum(r["cpu_s"] or 0.0 for r in runs.values())
         task["acceptance"]["under_20_minutes"] = task["wall_s"] < 1200
         section_file.write_text(json.dumps(task, indent=1))
-        plot_text_facts(task, out / "learning_curve.png")
+        plot_task(task, out / "learning_curve.png")
         progress(task)
 
     for name in run_names:
@@ -407,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="visual: the runs")
     parser.add_argument("--visual-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="visual: dotted.key=value overrides for every run of the visual task")
+    parser.add_argument("--visual-opsd-steps", type=int, default=20,
+                        help="visual: steps of the opsd run (the others run train.max_steps)")
     parser.add_argument("--opsd-steps", type=int, default=30,
                         help="text_facts: steps of the opsd run (the others run train.max_steps)")
     parser.add_argument("--config", default=CONFIG, help="text_facts: the recipe")

@@ -110,15 +110,18 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
 
 
 def test_visual_acceptance_asks_15_points_controls_within_5_and_a_30_point_teacher(learning):
-    report = runs(learning, {0: 0.0, 5: 0.1, 10: 0.2})
+    report = runs(learning, {0: 0.0, 5: 0.05, 10: 0.1, 15: 0.15, 20: 0.2})  # opsd 20 steps, the others 10
     for run in report.values():
         run["eval"][0]["teacher_accuracy"] = 0.5
     accepted = learning.visual_acceptance(report, steps=10, comparison=None)
+    # opsd's gain counts to its last evaluation; at the controls' length it is reported beside.
     assert accepted["opsd_gain_points"] == 20.0 and accepted["opsd_gains_15_points"]
+    assert accepted["opsd_gain_points_at_10"] == 10.0
     assert accepted["teacher_gap_step_0_points"] == 50.0 and accepted["teacher_30_points_above_student_at_step_0"]
     assert accepted["noise_moves_under_5_points"] and accepted["no_privileged_moves_under_5_points"]
-    report["opsd"]["eval"][0]["teacher_accuracy"] = 0.25
     report = {**report, "opsd": learning.summarise(records({0: 0.0, 10: 0.1}, {0: (1, 3), 10: (1, 3)}, 1.0), 1.0, 1.0)}
     report["opsd"]["eval"][0]["teacher_accuracy"] = 0.25
+    report["noise"] = learning.summarise(records({0: 0.0, 10: 0.0625}, {0: (1, 3), 10: (1, 3)}, 1.0), 1.0, 1.0)
     accepted = learning.visual_acceptance(report, steps=10, comparison=None)
     assert not accepted["opsd_gains_15_points"] and not accepted["teacher_30_points_above_student_at_step_0"]
+    assert not accepted["noise_moves_under_5_points"] and accepted["no_privileged_moves_under_5_points"]
