@@ -47,7 +47,7 @@ MARKER = "build.json"
 @dataclass(frozen=True)
 class BuildSettings:
     seed: int = 0
-    align_steps: int = 300
+    align_steps: int = 1000
     align_batch: int = 32
     align_lr: float = 2e-3
     eval_items: int = 256
