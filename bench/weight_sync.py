@@ -9,9 +9,7 @@ Syncs and copies alternate, `--repeats` of each after one warm-up of each; `sync
 median of the pairs' ratios, so that a machine whose load changes during the run slows both alike.
 `parts_over_copy` splits the sync: `load_s` (the buckets written into the engine's parameters),
 `finish_s` (the engine's post-load step: on CPU, packing linear weights for its GEMM kernels),
-`begin_s`; what the parts leave of `sync_over_copy` is the trainer side (casting, bucketing).
-`fastest_sync_over_fastest_copy`: the least disturbed of each, nearer an idle machine's ratio when
-the load comes and goes (a loaded machine slows the copy most and pushes the ratios towards 1). The `smollm2` size is the real
+`begin_s`; what the parts leave of `sync_over_copy` is the trainer side (casting, bucketing). The `smollm2` size is the real
 SmolLM2-135M-Instruct (538 MB in float32, converted into `--smollm2-dir` when missing): its
 `sync_over_copy` is issue #19's acceptance figure (<= 2), printed again as the last JSON object's
 `smollm2_sync_over_copy`.
@@ -154,7 +152,6 @@ def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str) -> dict
         "copy_s": round(copy_s, 5),
         "copy_gb_s": round(nbytes / copy_s / 1e9, 3),
         "sync_over_copy": round(statistics.median(s / c for s, c in zip(syncs, copies)), 2),
-        "fastest_sync_over_fastest_copy": round(min(syncs) / min(copies), 2),
         "parts_over_copy": {part: round(statistics.median(t / c for t, c in zip(times[1:], copies)), 2)
                             for part, times in parts.items()},
     }
