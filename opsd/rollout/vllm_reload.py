@@ -119,10 +119,10 @@ def finish_reload(worker, keep_image_encodings: bool = False) -> None:
 # parameters, and the post-load step reruns on the layers that got new weights and on those sharing
 # their weight (a tied LM head).
 #
-# On CPU the emptied linear weights are swapped back in for the session: a fused layer keeps its
-# unpacked weight between updates (one more copy of those weights in memory) and is packed from it;
-# a layer loaded from one whole tensor is packed straight from the trainer's tensor (the pack is the
-# only copy). A plain embedding packs its LM-head copy at its first use as a head, never for models
+# On CPU the emptied linear weights are swapped back in for the session, each layer keeping an
+# unpacked weight between updates (one more copy of the linear weights in memory): a fused layer's
+# loader writes each part into it and the layer is packed from it; a layer loaded from one whole
+# tensor is packed straight from the trainer's tensor (the pack is the only copy). A plain embedding packs its LM-head copy at its first use as a head, never for models
 # whose head is another module. Layers the update does not reach (a frozen vision tower) keep their
 # packed weights as they were.
 def _updates_in_place(model) -> bool:
