@@ -5,7 +5,11 @@ child process per size starts a `VLLMEngine` (KV cache bounded), loads the same 
 transformers, and times `opsd.rollout.weight_sync.push_weights(model, engine)`: one layerwise-reload
 session, full tensors streamed in buckets of `--bucket-mb`. Beside it, the floor on the same machine:
 `torch.Tensor.copy_` of the same tensors into preallocated buffers (the same bytes, no engine).
-Both are the median of `--repeats` runs after one warm-up run. The `smollm2` size is the real
+Syncs and copies alternate, `--repeats` of each after one warm-up of each; `sync_over_copy` is the
+median of the pairs' ratios, so that a machine whose load changes during the run slows both alike.
+`parts_over_copy` splits the sync: `load_s` (the buckets written into the engine's parameters),
+`finish_s` (the engine's post-load step: on CPU, packing linear weights for its GEMM kernels),
+`begin_s`; what the parts leave of `sync_over_copy` is the trainer side (casting, bucketing). The `smollm2` size is the real
 SmolLM2-135M-Instruct (538 MB in float32, converted into `--smollm2-dir` when missing): its
 `sync_over_copy` is issue #19's acceptance figure (<= 2), printed again as the last JSON object's
 `smollm2_sync_over_copy`.
@@ -76,8 +80,31 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+SYNC_PARTS = {"begin_weight_update": "begin_s", "receive_weights": "load_s", "end_weight_update": "finish_s"}
+"""The receiver's calls in one sync, timed apart: `load_s` (the buckets written into the engine) and
+`finish_s` (the engine's post-load step: on CPU, packing the linear weights for its kernels)."""
+
+
+def time_parts(engine) -> dict[str, list[float]]:
+    """Wrap the engine's weight-update calls so that each sync adds its seconds per part to the lists."""
+    seconds: dict[str, list[float]] = {part: [] for part in SYNC_PARTS.values()}
+
+    def timed(method, part):
+        def call(*args):
+            start = time.perf_counter()
+            method(*args)
+            seconds[part][-1] += time.perf_counter() - start
+
+        return call
+
+    for name, part in SYNC_PARTS.items():
+        setattr(engine, name, timed(getattr(engine, name), part))
+    return seconds
+
+
 def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str) -> dict:
-    """Runs in the child process."""
+    """Runs in the child process. Syncs and copies alternate (one of each per repeat, after a warm-up of
+    each), so that a machine whose load changes slows both alike; the ratio is the median of the pairs'."""
     from transformers import AutoModelForCausalLM
 
     from opsd.rollout.vllm_args import VLLMOptions
@@ -90,8 +117,7 @@ def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str) -> dict
             build_model(Path(tmp), SIZES[size])
         engine = VLLMEngine(VLLMOptions(model_dir, dtype="float32", max_model_len=512, kv_cache_memory_mb=64, enforce_eager=True))
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        stats = []
-        sync_s = median_seconds(lambda: stats.append(push_weights(model, engine, bucket_mb=bucket_mb)), repeats)
+        parts = time_parts(engine)
         params = [p.detach() for p in model.parameters()]
         buffers = [torch.empty_like(p) for p in params]
 
@@ -99,20 +125,35 @@ def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str) -> dict
             for dst, src in zip(buffers, params):
                 dst.copy_(src)
 
-        copy_s = median_seconds(copy, repeats)
+        def sync():
+            for times in parts.values():
+                times.append(0.0)
+            return push_weights(model, engine, bucket_mb=bucket_mb)
+
+        syncs, copies = [], []
+        for i in range(repeats + 1):  # the first pair warms up
+            stats = sync()
+            start = time.perf_counter()
+            copy()
+            if i:
+                syncs.append(stats.seconds)
+                copies.append(time.perf_counter() - start)
         engine.close()
-    nbytes = stats[-1].bytes
+    sync_s, copy_s = statistics.median(syncs), statistics.median(copies)
+    nbytes = stats.bytes
     return {
         "size": size,
         "parameters": sum(p.numel() for p in params),
         "bytes": nbytes,
-        "buckets": stats[-1].buckets,
-        "tensors": stats[-1].tensors,
+        "buckets": stats.buckets,
+        "tensors": stats.tensors,
         "sync_s": round(sync_s, 4),
         "sync_gb_s": round(nbytes / sync_s / 1e9, 3),
         "copy_s": round(copy_s, 5),
         "copy_gb_s": round(nbytes / copy_s / 1e9, 3),
-        "sync_over_copy": round(sync_s / copy_s, 1),
+        "sync_over_copy": round(statistics.median(s / c for s, c in zip(syncs, copies)), 2),
+        "parts_over_copy": {part: round(statistics.median(t / c for t, c in zip(times[1:], copies)), 2)
+                            for part, times in parts.items()},
     }
 
 

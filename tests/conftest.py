@@ -42,6 +42,23 @@ def tiny_text_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tied_text_dir(tiny_text_dir, tmp_path_factory):
+    """The tiny text model with its LM head tied to the input embeddings."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("models") / "tiny-text-tied"
+    untied = AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32)
+    untied.config.tie_word_embeddings = True
+    tied = type(untied)(untied.config)
+    tied.load_state_dict({k: v for k, v in untied.state_dict().items() if k != "lm_head.weight"}, strict=False)
+    tied.tie_weights()
+    tied.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_text_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def grid_data_dir(tmp_path_factory):
     from opsd.data.synthetic import write_dataset
 

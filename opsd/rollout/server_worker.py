@@ -4,7 +4,7 @@
 methods into every vLLM worker; `ServerEngine` calls them through the server's `/collective_rpc`
 endpoint (dev mode), which passes only strings: tensors cannot travel through it, so each bucket
 is written to a safetensors file (on /dev/shm) and the worker reads it. One update runs as one
-layerwise-reload session, as in the colocated engine: reloading partial buckets separately would
+session (opsd/rollout/vllm_reload.py), as in the colocated engine: a session per bucket would
 process a fused layer (qkv, gate_up) with half its shards loaded.
 """
 

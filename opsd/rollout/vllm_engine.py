@@ -151,8 +151,8 @@ class VLLMEngine:
                 completions.append(Completion(i, ids, logprobs, sample.text, str(sample.finish_reason)))
         return completions
 
-    # Weight updates run as one layerwise-reload session per optimizer step: separate reloads of
-    # partial buckets would process a fused layer (qkv, gate_up) with half its shards loaded.
+    # Weight updates run as one session per optimizer step: a session per bucket would process a
+    # fused layer (qkv, gate_up) with half its shards loaded.
     def begin_weight_update(self) -> None:
         self._wake("weights")
         self.llm.collective_rpc(begin_reload)

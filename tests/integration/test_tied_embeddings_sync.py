@@ -4,22 +4,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def tied_text_dir(tiny_text_dir, tmp_path_factory):
-    """The tiny text model with its LM head tied to the input embeddings."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("models") / "tiny-text-tied"
-    untied = AutoModelForCausalLM.from_pretrained(tiny_text_dir, dtype=torch.float32)
-    untied.config.tie_word_embeddings = True
-    tied = type(untied)(untied.config)
-    tied.load_state_dict({k: v for k, v in untied.state_dict().items() if k != "lm_head.weight"}, strict=False)
-    tied.tie_weights()
-    tied.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_text_dir).save_pretrained(out)
-    return out
-
-
 @pytest.mark.vllm
 def test_tied_lm_head_follows_an_embedding_update(tied_text_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
