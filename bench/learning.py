@@ -312,16 +312,17 @@ def visual_task(args, out: Path, progress) -> dict:
         build["wall_s"], build["cpu_s"] = run_child(["-m", "opsd.smollm2_vlm", "--out", str(model_dir)], out / "build.log")
     task = run_task(args, out, progress, title="SmolLM2-135M with a taught vision tower learns facts its teacher only sees as pictures",
                     config=VISUAL_CONFIG, controls=VISUAL_CONTROLS, run_names=args.visual_runs, overrides=args.visual_overrides, opsd_steps=args.visual_opsd_steps,
-                    acceptance=visual_acceptance, extra={"vlm_build": build})
-    task["wall_s"] += build["wall_s"]
-    task["cpu_s"] += build["cpu_s"]
+                    acceptance=visual_acceptance, extra={"vlm_build": build}, minutes=25,
+                    setup_s=(build["wall_s"], build["cpu_s"]))
     return task
 
 
 def run_task(args, out: Path, progress, *, title: str, config: str, controls: dict, run_names: list[str],
-             overrides: list[str], opsd_steps: int | None, acceptance, extra: dict | None = None) -> dict:
+             overrides: list[str], opsd_steps: int | None, acceptance, extra: dict | None = None, minutes: int = 20,
+             setup_s: tuple[float, float] = (0.0, 0.0)) -> dict:
     """Every run of `run_names` (names of `controls`) of the recipe `config` in `out`; `progress(section)`
-    after each; the section's `acceptance` from `acceptance(runs, steps, opsd_vs_sft)`."""
+    after each; the section's `acceptance` from `acceptance(runs, steps, opsd_vs_sft)` and whether the
+    task, with its setup's (wall, CPU) seconds `setup_s`, took under `minutes`."""
     from opsd.config import load_config
     from opsd.trainer.summary import read_records
 
@@ -353,9 +354,9 @@ def run_task(args, out: Path, progress, *, title: str, config: str, controls: di
         task["opsd_vs_sft"] = opsd_vs_sft(runs, steps)
         task["acceptance"] = acceptance(runs, steps, task["opsd_vs_sft"])
         # A reused run counts with its measured time (or, from records alone, its stages' time).
-        task["wall_s"] = time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused"))
-        task["cpu_s"] = sum(r["cpu_s"] or 0.0 for r in runs.values())
-        task["acceptance"]["under_20_minutes"] = task["wall_s"] < 1200
+        task["wall_s"] = setup_s[0] + time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused"))
+        task["cpu_s"] = setup_s[1] + sum(r["cpu_s"] or 0.0 for r in runs.values())
+        task["acceptance"][f"under_{minutes}_minutes"] = task["wall_s"] < 60 * minutes
         section_file.write_text(json.dumps(task, indent=1))
         plot_task(task, out / "learning_curve.png")
         progress(task)

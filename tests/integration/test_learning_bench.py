@@ -79,7 +79,8 @@ def test_two_step_runs_report_every_run_side_by_side(tmp_path):
 def test_visual_task_reports_its_runs_beside_the_text_task_shape(tmp_path, tiny_vlm_dir):
     out = tmp_path / "learn"
     done = subprocess.run(
-        [sys.executable, "bench/learning.py", "--tasks", "visual", "--out", str(out), "--visual-overrides",
+        [sys.executable, "bench/learning.py", "--tasks", "visual", "--out", str(out), "--visual-opsd-steps", "2",
+         "--visual-overrides",
          f"model.path={tiny_vlm_dir}", "model.build=tiny-vlm", "rollout.engine=hf",
          f"data.datasets.0.path={tmp_path / 'picture-facts'}", "data.datasets.0.synthetic.n_facts=4",
          "data.datasets.0.synthetic.n_train=8", "data.datasets.0.synthetic.n_eval=8", "eval.num_samples=8",
@@ -92,9 +93,11 @@ def test_visual_task_reports_its_runs_beside_the_text_task_shape(tmp_path, tiny_
     task = report["tasks"]["visual"]
     assert set(task["runs"]) == {"opsd", "noise", "no_privileged", "sft"} and report["runs"] == {}
     for name, run in task["runs"].items():
-        assert [e["step"] for e in run["eval"]] == [0, 1], name
+        assert [e["step"] for e in run["eval"]] == ([0, 1, 2] if name == "opsd" else [0, 1]), name
         assert all(0 <= e["student_accuracy"] <= 1 and 0 <= e["teacher_accuracy"] <= 1 for e in run["eval"])
     assert task["vlm_build"]["skipped"]  # the tiny model is built by the recipe, not timed apart
+    assert task["opsd_steps"] == 2 and "opsd_gain_points_at_1" in task["acceptance"]
+    assert "visual.under_25_minutes" in report["acceptance"]
     assert {"visual.opsd_gains_15_points", "visual.teacher_30_points_above_student_at_step_0",
             "visual.noise_moves_under_5_points", "visual.no_privileged_moves_under_5_points"} <= set(report["acceptance"])
     assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
