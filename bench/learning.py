@@ -15,7 +15,15 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
         noise           the fact replaced by an irrelevant true sentence (columns.privileged_text=irrelevant)
         sft             supervised baseline: cross-entropy on the fact sentences (loss.kind=sft)
 
-    .venv/bin/python bench/learning.py [--tasks text_facts] [--runs opsd no_privileged noise sft]
+    visual       configs/learn_picture_facts_smollm2_vlm.yaml: SmolLM2-135M with a vision tower taught
+                 here (opsd.smollm2_vlm, built first and timed), facts whose value the teacher only
+                 sees as a picture ending the fact's sentence. Runs (`--visual-runs`): opsd; noise
+                 (prompts.noise=normal, Visual-OPSD's ablation); no_privileged; sft (cross-entropy on
+                 the fact in words, columns.privileged_text=fact). Its acceptance: opsd +15 points,
+                 the controls within 5, the teacher's prompt 30 points above the student's at step 0.
+
+    .venv/bin/python bench/learning.py [--tasks text_facts visual] [--runs opsd no_privileged noise sft]
+        [--visual-runs opsd noise no_privileged sft] [--visual-opsd-steps 20]
         [--opsd-steps 30] [--out runs/learn] [key=value ...]
 
 The model is converted first (timed apart). Prints progress to stderr and, last, one JSON object to
@@ -51,6 +59,15 @@ CONTROLS = {
     # One copy of each reference instead of samples_per_prompt identical ones: the same per-token
     # mean loss and gradient, a quarter of the forward.
     "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1"],
+}
+VISUAL_CONFIG = "configs/learn_picture_facts_smollm2_vlm.yaml"
+VISUAL_CONTROLS = {
+    "opsd": [],
+    # Visual-OPSD's ablation: the picture's model inputs replaced by fresh standard normal noise.
+    "noise": ["prompts.noise=normal"],
+    "no_privileged": ["prompts.privileged=[]"],
+    # Cross-entropy on the fact in words ("Ann's car is red."), which the OPSD teacher never reads.
+    "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1", "data.datasets.0.columns.privileged_text=fact"],
 }
 STAGES = ("rollout", "train", "weight_sync")
 TRAINING_STAGES = tuple(f"time_{stage}_s" for stage in STAGES)
@@ -210,14 +227,19 @@ def text_facts_acceptance(runs: dict, steps: int, comparison: dict | None) -> di
     return out
 
 
-def plot_text_facts(task: dict, path: Path) -> None:
-    """Held-out accuracy (left) and retention (general questions, held-out text NLL) by step."""
+def plot_task(task: dict, path: Path) -> None:
+    """Held-out accuracy by step; beside it, when the task probes retention, the general questions
+    right and the held-out text's NLL."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (acc, questions, nll) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    if task["retention"]:
+        fig, (acc, questions, nll) = plt.subplots(1, 3, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    else:
+        fig, acc = plt.subplots(figsize=(6.5, 4.2))
+        questions = nll = None
     base = None
     for name, run in task["runs"].items():
         steps = [e["step"] for e in run["eval"]]
@@ -226,9 +248,9 @@ def plot_text_facts(task: dict, path: Path) -> None:
         if name == "opsd" and run["eval"][0]["teacher_accuracy"] is not None:
             acc.plot(steps, [100 * e["teacher_accuracy"] for e in run["eval"]], "s--", color=colour, alpha=0.6,
                      label="opsd: teacher prompt")
-        if run["eval"][0]["retention_accuracy"] is not None:
+        if questions is not None and run["eval"][0]["retention_accuracy"] is not None:
             questions.plot(steps, [100 * e["retention_accuracy"] for e in run["eval"]], "o-", color=colour, label=name)
-        if run["eval"][0]["retention_nll"] is not None:
+        if nll is not None and run["eval"][0]["retention_nll"] is not None:
             nll.plot(steps, [e["retention_nll"] for e in run["eval"]], "o-", color=colour, label=name)
         if base is None:
             base = 100 * run["eval"][0]["student_accuracy"]
@@ -237,14 +259,16 @@ def plot_text_facts(task: dict, path: Path) -> None:
     acc.set_ylabel("held-out accuracy, greedy (%)")
     acc.set_ylim(-2, 102)
     acc.set_title(task["title"], fontsize=9)
-    questions.set_ylabel("general questions right, greedy (%)")
-    questions.set_ylim(-2, 102)
-    questions.set_title(f"retention: {task['retention'].get('questions') or 'no'} questions the base model knew", fontsize=9)
-    nll.set_ylabel("NLL of a held-out text (nats/token, lower is better)")
-    nll.set_title(f"retention: {task['retention'].get('text') or 'no text probe'}", fontsize=9)
+    if questions is not None:
+        questions.set_ylabel("general questions right, greedy (%)")
+        questions.set_ylim(-2, 102)
+        questions.set_title(f"retention: {task['retention']['questions']} questions the base model knew", fontsize=9)
+        nll.set_ylabel("NLL of a held-out text (nats/token, lower is better)")
+        nll.set_title(f"retention: {task['retention']['text'] or 'no text probe'}", fontsize=9)
     for ax in (acc, questions, nll):
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
+        if ax is not None:
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
     acc.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -253,16 +277,63 @@ def plot_text_facts(task: dict, path: Path) -> None:
 
 def text_facts_task(args, out: Path, progress) -> dict:
     """The fictional-facts task: every run of `args.runs` in `out`; `progress(section)` after each."""
+    return run_task(args, out, progress, title="SmolLM2-135M-Instruct learns fictional facts only its teacher's prompt holds",
+                    config=args.config, controls=CONTROLS, run_names=args.runs, overrides=args.overrides,
+                    opsd_steps=args.opsd_steps, acceptance=text_facts_acceptance)
+
+
+def visual_acceptance(runs: dict, steps: int, comparison: dict | None) -> dict:
+    """The bar of the visual task, in points from step 0 to each run's last evaluation: OPSD +15, the
+    controls within 5, and the teacher's prompt (with the picture) 30 above the student's at step 0.
+    `opsd_gain_points_at_<steps>`: opsd at the controls' length."""
+    out = {f"{name}_gain_points": g for name, run in runs.items() if (g := gain_points(run, run["eval"][-1]["step"])) is not None}
+    if "opsd" in runs:
+        out[f"opsd_gain_points_at_{steps}"] = gain_points(runs["opsd"], steps)
+        out["opsd_gains_15_points"] = out["opsd_gain_points"] >= 15
+        start = runs["opsd"]["eval"][0]
+        out["teacher_gap_step_0_points"] = round(100 * (start["teacher_accuracy"] - start["student_accuracy"]), 1)
+        out["teacher_30_points_above_student_at_step_0"] = out["teacher_gap_step_0_points"] >= 30
+    for control in ("no_privileged", "noise"):
+        if f"{control}_gain_points" in out:
+            out[f"{control}_moves_under_5_points"] = abs(out[f"{control}_gain_points"]) <= 5
+    return out
+
+
+def visual_task(args, out: Path, progress) -> dict:
+    """Picture facts on the seeing SmolLM2: its model built first (timed), then every run of
+    `args.visual_runs` in `out`."""
+    from opsd.config import load_config
+
+    model = load_config(ROOT / VISUAL_CONFIG, args.visual_overrides).model
+    model_dir = Path(model.path)
+    build = {"wall_s": 0.0, "cpu_s": 0.0, "skipped": (ROOT / model_dir / "config.json").exists() or model.build != "smollm2-vlm"}
+    if not build["skipped"]:
+        print(f"building the seeing SmolLM2 into {model_dir} ...", file=sys.stderr, flush=True)
+        build["wall_s"], build["cpu_s"] = run_child(["-m", "opsd.smollm2_vlm", "--out", str(model_dir)], out / "build.log")
+    task = run_task(args, out, progress, title="SmolLM2-135M with a taught vision tower learns facts its teacher only sees as pictures",
+                    config=VISUAL_CONFIG, controls=VISUAL_CONTROLS, run_names=args.visual_runs, overrides=args.visual_overrides, opsd_steps=args.visual_opsd_steps,
+                    acceptance=visual_acceptance, extra={"vlm_build": build}, minutes=25,
+                    setup_s=(build["wall_s"], build["cpu_s"]))
+    return task
+
+
+def run_task(args, out: Path, progress, *, title: str, config: str, controls: dict, run_names: list[str],
+             overrides: list[str], opsd_steps: int | None, acceptance, extra: dict | None = None, minutes: int = 20,
+             setup_s: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """Every run of `run_names` (names of `controls`) of the recipe `config` in `out`; `progress(section)`
+    after each; the section's `acceptance` from `acceptance(runs, steps, opsd_vs_sft)` and whether the
+    task, with its setup's (wall, CPU) seconds `setup_s`, took under `minutes`."""
     from opsd.config import load_config
     from opsd.trainer.summary import read_records
 
-    cfg = load_config(ROOT / args.config, args.overrides)
+    cfg = load_config(ROOT / config, overrides)
     steps = cfg.train.max_steps
-    opsd_steps = max(args.opsd_steps or steps, steps)
+    opsd_steps = max(opsd_steps or steps, steps)
     dataset, retention = cfg.data.datasets[0], cfg.eval.retention
     task = {
-        "title": "SmolLM2-135M-Instruct learns fictional facts only its teacher's prompt holds",
-        "config": args.config,
+        "title": title,
+        "config": config,
+        **(extra or {}),
         "facts": dataset.synthetic.n_facts if dataset.synthetic else None,
         "eval_items": cfg.eval.num_samples,
         "eval": "greedy, held-out question phrasings, answer = last task value named",
@@ -281,16 +352,16 @@ def text_facts_task(args, out: Path, progress) -> dict:
     def write() -> None:
         runs = task["runs"]
         task["opsd_vs_sft"] = opsd_vs_sft(runs, steps)
-        task["acceptance"] = text_facts_acceptance(runs, steps, task["opsd_vs_sft"])
+        task["acceptance"] = acceptance(runs, steps, task["opsd_vs_sft"])
         # A reused run counts with its measured time (or, from records alone, its stages' time).
-        task["wall_s"] = time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused"))
-        task["cpu_s"] = sum(r["cpu_s"] or 0.0 for r in runs.values())
-        task["acceptance"]["under_20_minutes"] = task["wall_s"] < 1200
+        task["wall_s"] = setup_s[0] + time.perf_counter() - started + sum(r["wall_s"] for r in runs.values() if r.get("reused"))
+        task["cpu_s"] = setup_s[1] + sum(r["cpu_s"] or 0.0 for r in runs.values())
+        task["acceptance"][f"under_{minutes}_minutes"] = task["wall_s"] < 60 * minutes
         section_file.write_text(json.dumps(task, indent=1))
-        plot_text_facts(task, out / "learning_curve.png")
+        plot_task(task, out / "learning_curve.png")
         progress(task)
 
-    for name in args.runs:
+    for name in run_names:
         run_dir = out / name
         run_steps = opsd_steps if name == "opsd" else steps
         kept = reusable_records(run_dir, run_steps) if args.keep else None
@@ -299,18 +370,18 @@ def text_facts_task(args, out: Path, progress) -> dict:
             if measured.get("steps") == run_steps and measured.get("wall_s"):  # its wall and CPU time as measured
                 task["runs"][name] = {**measured, "reused": True}
             else:
-                task["runs"][name] = {"overrides": CONTROLS[name], "reused": True, **summarise(kept, None, None)}
+                task["runs"][name] = {"overrides": controls[name], "reused": True, **summarise(kept, None, None)}
             print(f"  {name}: reused {run_dir} up to step {run_steps}", file=sys.stderr, flush=True)
             continue
         if run_dir.exists():
             import shutil
 
             shutil.rmtree(run_dir)  # a fresh run every time (the recipe would resume a finished one)
-        overrides = [*args.overrides, *CONTROLS[name], f"train.max_steps={run_steps}", f"logging.output_dir={run_dir}",
+        run_overrides = [*overrides, *controls[name], f"train.max_steps={run_steps}", f"logging.output_dir={run_dir}",
                      "logging.progress_bar=false"]
-        print(f"run {name}: python -m opsd.train --config {args.config} {' '.join(overrides)}", file=sys.stderr, flush=True)
-        wall, cpu = run_child(["-m", "opsd.train", "--config", args.config, *overrides], out / f"{name}.log")
-        task["runs"][name] = {"overrides": CONTROLS[name], **summarise(read_records(run_dir / "metrics.jsonl"), wall, cpu)}
+        print(f"run {name}: python -m opsd.train --config {config} {' '.join(run_overrides)}", file=sys.stderr, flush=True)
+        wall, cpu = run_child(["-m", "opsd.train", "--config", config, *run_overrides], out / f"{name}.log")
+        task["runs"][name] = {"overrides": controls[name], **summarise(read_records(run_dir / "metrics.jsonl"), wall, cpu)}
         evals = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}/{e['teacher_accuracy']}" for e in task["runs"][name]["eval"])
         moved = task["runs"][name]["retention"]["change"]
         print(f"  {name}: student/teacher accuracy by step {evals}; retention moved {moved} ({wall:.0f} s, {cpu:.0f} CPU s)",
@@ -320,7 +391,7 @@ def text_facts_task(args, out: Path, progress) -> dict:
     return task
 
 
-TASKS = {"text_facts": text_facts_task}
+TASKS = {"text_facts": text_facts_task, "visual": visual_task}
 """Task name -> function(args, its own directory, progress) -> the task's report section, holding
 `acceptance`, `png`, `wall_s` and `cpu_s`; it calls `progress(section so far)` as its runs finish."""
 
@@ -342,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=list(CONTROLS),
                         help="text_facts: the runs")
+    parser.add_argument("--visual-runs", nargs="+", choices=list(VISUAL_CONTROLS), default=list(VISUAL_CONTROLS),
+                        help="visual: the runs")
+    parser.add_argument("--visual-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="visual: dotted.key=value overrides for every run of the visual task")
+    parser.add_argument("--visual-opsd-steps", type=int, default=20,
+                        help="visual: steps of the opsd run (the others run train.max_steps)")
     parser.add_argument("--opsd-steps", type=int, default=30,
                         help="text_facts: steps of the opsd run (the others run train.max_steps)")
     parser.add_argument("--config", default=CONFIG, help="text_facts: the recipe")

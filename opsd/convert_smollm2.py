@@ -39,13 +39,10 @@ def packaged_gguf() -> Path:
     return Path(dist.locate_file(files[0]))
 
 
-def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
-    """Write `out_dir` (config, safetensors, tokenizer, generation config) unless it is already there."""
+def load_plain(gguf_file=None, dtype: str = "float32"):
+    """(plain `LlamaForCausalLM`, tokenizer) from the GGUF file, dequantized."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    out = Path(out_dir)
-    if (out / "config.json").exists():
-        return out
     gguf = Path(gguf_file) if gguf_file else packaged_gguf()
     if not gguf.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf}")
@@ -57,12 +54,29 @@ def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
     plain = LlamaForCausalLM(config)
     plain.load_state_dict(quantized.state_dict())
     plain.generation_config = quantized.generation_config
-    plain.to(getattr(torch, dtype))
-    # Write next to the target and rename, so an interrupted run never leaves a half directory.
+    return plain.to(getattr(torch, dtype)), tokenizer
+
+
+def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:
+    """Write `out_dir` (config, safetensors, tokenizer, generation config) unless it is already there."""
+    out = Path(out_dir)
+    if (out / "config.json").exists():
+        return out
+    plain, tokenizer = load_plain(gguf_file, dtype)
+    return write_model_dir(out, plain, tokenizer)
+
+
+def write_model_dir(out: Path, model, processor, files: dict[str, str] | None = None) -> Path:
+    """Save `model`, `processor` and `files` (name -> text, written last) next to `out` and rename
+    the directory into place, so an interrupted build never leaves a half directory there."""
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    for name, text in (files or {}).items():
+        (tmp / name).write_text(text)
+    if out.exists():
+        shutil.rmtree(out)
     tmp.rename(out)
     return out
 

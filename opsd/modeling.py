@@ -16,7 +16,7 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
     """A local model directory (built first when `model.build` asks), or a hub id left to the loaders."""
     path = Path(cfg.path)
     if cfg.build and not (path / "config.json").exists():
-        from opsd import convert_smollm2, tiny_models
+        from opsd import convert_smollm2, smollm2_vlm, tiny_models
 
         build = {
             "tiny-vlm": tiny_models.build_tiny_vlm,
@@ -25,6 +25,7 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
             "tiny-qwen3-vl": tiny_models.build_tiny_qwen3_vl,
             "tiny-text": tiny_models.build_tiny_text_model,
             "smollm2": convert_smollm2.convert,
+            "smollm2-vlm": smollm2_vlm.build,
         }[cfg.build]
         build(path)
     # A hub id is `name` or `org/name`; `artifacts/tiny-vlm` is local when `artifacts/` is.

@@ -3,6 +3,7 @@
 student: [system] [problem images] [question]
 teacher: [system] [problem images] [question] [reference intro] [privileged images]
          [privileged text] [answer] [transition]
+         (`prompts.images_after_text`: [privileged text] [reference intro] [privileged images])
 
 Both are rendered by the same chat template with the same settings (a different template setting
 would shift the completion), and the sampled completion ids are later appended unchanged to both.
@@ -85,10 +86,13 @@ def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
     privileged_images = sample.privileged_images if "images" in cfg.privileged else []
     if cfg.noise != "off":
         privileged_images = [noise_like(img, seed=f"{sample.id}/{i}") for i, img in enumerate(privileged_images)]
-    if privileged_images:
-        parts += [cfg.reference_intro, *privileged_images]
-    if "text" in cfg.privileged and sample.privileged_text:
-        parts += [f"{cfg.privileged_text_intro}\n{sample.privileged_text}"]
+    image_parts = [cfg.reference_intro, *privileged_images] if privileged_images else []
+    text_parts = [f"{cfg.privileged_text_intro}\n{sample.privileged_text}"] if (
+        "text" in cfg.privileged and sample.privileged_text) else []
+    if cfg.images_after_text:
+        parts += text_parts + [p for p in image_parts if p != ""]
+    else:
+        parts += image_parts + text_parts
     if "answer" in cfg.privileged and sample.answer:
         parts += [f"Reference answer: {sample.answer}"]
     if cfg.transition:

@@ -98,11 +98,11 @@ IRRELEVANT = (
 )
 
 
-def person_names(seed: int, n: int) -> list[str]:
+def person_names(seed: int, n: int, avoid=None, salt: str = "opsd-facts-names") -> list[str]:
     """`n` distinct invented two-syllable names, the same for the same seed; none contains a value
-    ("Dogar" would give away a dog)."""
-    values = {v.lower() for relation in RELATIONS for v in relation.values}
-    rng = random.Random(f"opsd-facts-names:{seed}")
+    to `avoid` (default: this task's; "Dogar" would give away a dog)."""
+    values = {v.lower() for v in (avoid or [v for relation in RELATIONS for v in relation.values])}
+    rng = random.Random(f"{salt}:{seed}")
     names: list[str] = []
     seen: set[str] = set()
     while len(names) < n:
@@ -141,17 +141,27 @@ def make_rows(seed: int, n_train: int, n_eval: int, n_facts: int | None = None, 
     """Rows by split (`train`, `eval`, `validation`) about `n_facts` facts (default `n_eval`): row i of
     a split asks about fact i % n_facts, with phrasing i // n_facts of that split's phrasings (cycled)."""
     n_facts = n_eval if n_facts is None else n_facts
+    check_fact_count(n_facts, n_eval)
+    counts = {"train": n_train, "eval": n_eval, "validation": n_validation}
+    rows: dict[str, list[dict]] = {split: [] for split in counts}
+    for split, i, fact, question in question_rows(make_facts(seed, n_facts), RELATIONS, counts):
+        rows[split].append(_row(seed, split, i, fact, question))
+    return rows
+
+
+def check_fact_count(n_facts: int, n_eval: int) -> None:
     if n_facts < 1:
         raise ValueError(f"the facts task needs at least one fact: n_facts={n_facts}, n_eval={n_eval}")
-    facts = make_facts(seed, n_facts)
-    rows = {}
-    for split, count in (("train", n_train), ("eval", n_eval), ("validation", n_validation)):
-        rows[split] = []
+
+
+def question_rows(facts: list[dict], relations, counts: dict[str, int]):
+    """(split, i, fact, question template) for `counts[split]` rows of each split: row i asks about
+    fact i % len(facts), with phrasing i // len(facts) of that split's phrasings of its relation (cycled)."""
+    for split, count in counts.items():
         for i in range(count):
-            fact = facts[i % n_facts]
-            phrasings = getattr(RELATIONS[fact["relation"]], PHRASINGS_OF_SPLIT[split])
-            rows[split].append(_row(seed, split, i, fact, phrasings[(i // n_facts) % len(phrasings)]))
-    return rows
+            fact = facts[i % len(facts)]
+            phrasings = getattr(relations[fact["relation"]], PHRASINGS_OF_SPLIT[split])
+            yield split, i, fact, phrasings[(i // len(facts)) % len(phrasings)]
 
 
 def write_dataset(out_dir, *, n_train: int, n_eval: int, seed: int = 0, n_facts: int | None = None,

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_two_step_runs_report_every_run_side_by_side(tmp_path):
     out = tmp_path / "learn"
     done = subprocess.run(
-        [sys.executable, "bench/learning.py", "--runs", "opsd", "no_privileged", "noise", "sft", "--opsd-steps", "3",
+        [sys.executable, "bench/learning.py", "--tasks", "text_facts", "--runs", "opsd", "no_privileged", "noise", "sft",
+         "--opsd-steps", "3",
          "--profile-steps", "2", "--out", str(out),
          f"model.path={tmp_path / 'tiny-text'}", "model.build=tiny-text", "rollout.engine=hf",
          f"data.datasets.0.path={tmp_path / 'facts'}", "data.datasets.0.synthetic.n_facts=4",
@@ -71,4 +72,32 @@ def test_two_step_runs_report_every_run_side_by_side(tmp_path):
     assert abs(profiled["unaccounted_s"]) <= max(0.05 * profiled["stage_s"], 0.15)  # the parts are the stage
     assert "rollout_over_direct_vllm" not in profiled  # the HF engine: no vLLM of its own to call directly
     assert Path(task["png"]) == out / "text_facts" / "learning_curve.png"
+    assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_visual_task_reports_its_runs_beside_the_text_task_shape(tmp_path, tiny_vlm_dir):
+    out = tmp_path / "learn"
+    done = subprocess.run(
+        [sys.executable, "bench/learning.py", "--tasks", "visual", "--out", str(out), "--visual-opsd-steps", "2",
+         "--visual-overrides",
+         f"model.path={tiny_vlm_dir}", "model.build=tiny-vlm", "rollout.engine=hf",
+         f"data.datasets.0.path={tmp_path / 'picture-facts'}", "data.datasets.0.synthetic.n_facts=4",
+         "data.datasets.0.synthetic.n_train=8", "data.datasets.0.synthetic.n_eval=8", "eval.num_samples=8",
+         "train.max_steps=1", "eval.every=1", "train.prompts_per_micro_step=2", "rollout.max_new_tokens=4",
+         "eval.max_new_tokens=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    task = report["tasks"]["visual"]
+    assert set(task["runs"]) == {"opsd", "noise", "no_privileged", "sft"} and report["runs"] == {}
+    for name, run in task["runs"].items():
+        assert [e["step"] for e in run["eval"]] == ([0, 1, 2] if name == "opsd" else [0, 1]), name
+        assert all(0 <= e["student_accuracy"] <= 1 and 0 <= e["teacher_accuracy"] <= 1 for e in run["eval"])
+    assert task["vlm_build"]["skipped"]  # the tiny model is built by the recipe, not timed apart
+    assert task["opsd_steps"] == 2 and "opsd_gain_points_at_1" in task["acceptance"]
+    assert "visual.under_25_minutes" in report["acceptance"]
+    assert {"visual.opsd_gains_15_points", "visual.teacher_30_points_above_student_at_step_0",
+            "visual.noise_moves_under_5_points", "visual.no_privileged_moves_under_5_points"} <= set(report["acceptance"])
     assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

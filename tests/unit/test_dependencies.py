@@ -3,7 +3,7 @@
     config <- data <- prompts <- sequences <- scoring <- teacher <- trainer <- train (the recipe)
     loss, device: leaves (tensor math; where the process runs), importable from any layer
     loss_kinds (the loss objects): config only, imported from scoring up
-    models (modeling, tiny_models, convert_smollm2, vl_processor, lora): config and prompts
+    models (modeling, tiny_models, convert_smollm2, smollm2_vlm, vl_processor, lora): config and prompts
     rollout: prompts and below, models; evaluation (and retention): rollout, prompts, sequences, scoring
     pipeline (prompts -> rollout -> sequences): sequences, rollout and below
     dumps: pipeline, scoring, teacher, rollout, evaluation, the checkpoint format, the quiet console; the recipe and CLIs: everything
@@ -26,7 +26,8 @@ GROUPS = {  # group: module prefixes
     "data": ["opsd.data"],
     "prompts": ["opsd.prompts"],
     "sequences": ["opsd.sequences"],
-    "models": ["opsd.modeling", "opsd.tiny_models", "opsd.convert_smollm2", "opsd.vl_processor", "opsd.lora"],
+    "models": ["opsd.modeling", "opsd.tiny_models", "opsd.convert_smollm2", "opsd.smollm2_vlm", "opsd.vl_processor",
+               "opsd.lora"],
     "scoring": ["opsd.scoring"],
     "teacher": ["opsd.teacher"],
     "trainer": ["opsd.trainer"],

@@ -87,7 +87,7 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     for name, run in (("opsd", opsd), ("no_privileged", control), ("noise", control), ("sft", sft)):
         (out / "text_facts" / name).mkdir(parents=True)
         (out / "text_facts" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
-    assert learning.main(["--keep", "--opsd-steps", "20", "--out", str(out), "model.build=null"]) == 0
+    assert learning.main(["--tasks", "text_facts", "--keep", "--opsd-steps", "20", "--out", str(out), "model.build=null"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # printed last
     assert report == json.loads((out / "report.json").read_text())
     task = report["tasks"]["text_facts"]
@@ -107,3 +107,21 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     # Reused runs count with their stages' seconds (opsd 20 x 4 s + 5 evaluations, sft 10 x 2 s + 3, ...).
     assert report["total_wall_s"] >= 85 + 23 + 2 * 43
     assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_visual_acceptance_asks_15_points_controls_within_5_and_a_30_point_teacher(learning):
+    report = runs(learning, {0: 0.0, 5: 0.05, 10: 0.1, 15: 0.15, 20: 0.2})  # opsd 20 steps, the others 10
+    for run in report.values():
+        run["eval"][0]["teacher_accuracy"] = 0.5
+    accepted = learning.visual_acceptance(report, steps=10, comparison=None)
+    # opsd's gain counts to its last evaluation; at the controls' length it is reported beside.
+    assert accepted["opsd_gain_points"] == 20.0 and accepted["opsd_gains_15_points"]
+    assert accepted["opsd_gain_points_at_10"] == 10.0
+    assert accepted["teacher_gap_step_0_points"] == 50.0 and accepted["teacher_30_points_above_student_at_step_0"]
+    assert accepted["noise_moves_under_5_points"] and accepted["no_privileged_moves_under_5_points"]
+    report = {**report, "opsd": learning.summarise(records({0: 0.0, 10: 0.1}, {0: (1, 3), 10: (1, 3)}, 1.0), 1.0, 1.0)}
+    report["opsd"]["eval"][0]["teacher_accuracy"] = 0.25
+    report["noise"] = learning.summarise(records({0: 0.0, 10: 0.0625}, {0: (1, 3), 10: (1, 3)}, 1.0), 1.0, 1.0)
+    accepted = learning.visual_acceptance(report, steps=10, comparison=None)
+    assert not accepted["opsd_gains_15_points"] and not accepted["teacher_30_points_above_student_at_step_0"]
+    assert not accepted["noise_moves_under_5_points"] and accepted["no_privileged_moves_under_5_points"]

@@ -48,6 +48,19 @@ def test_privileged_text_and_answer_channels(processor, sample):
     assert sample.privileged_text in prompt.text and f"Reference answer: {sample.answer}" in prompt.text
 
 
+def test_images_after_text_lets_a_picture_end_the_privileged_sentence(processor, sample):
+    cfg = PromptConfig(privileged=["text", "images"], privileged_text_intro="Fact:", reference_intro="", transition="",
+                       images_after_text=True)
+    prompt = teacher_prompt(sample, processor, cfg)
+    n = len(sample.privileged_images)
+    assert prompt.parts[-n - 1:] == [f"Fact:\n{sample.privileged_text}", *sample.privileged_images]
+    assert prompt.images[-n:] == sample.privileged_images
+    # The default order is unchanged: the intro and images, then the text.
+    default = teacher_prompt(sample, processor, PromptConfig(privileged=["text", "images"]))
+    assert default.text.index("<image>", default.text.index(PromptConfig().reference_intro)) < default.text.index(
+        PromptConfig().privileged_text_intro)
+
+
 def test_pixel_noise_ablation_keeps_shape_and_changes_pixels(processor, sample):
     prompt = teacher_prompt(sample, processor, PromptConfig(noise="pixel"))
     noisy = prompt.images[len(sample.images):]
