@@ -117,7 +117,7 @@ class SyntheticDataConfig:
     """facts and picture-facts only: how many facts the questions are about (default n_eval, one
     held-out question each)."""
     n_validation: Annotated[int, Field(ge=0)] = 0
-    """facts only: rows of a `validation` split, asked with phrasings used neither in training nor in
+    """facts and picture-facts only: rows of a `validation` split, asked with phrasings used neither in training nor in
     `eval`: choose settings on it (`eval_split: validation`), report on `eval`; 0 = none."""
 
 

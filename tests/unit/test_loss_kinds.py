@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from opsd.config import JsdLossConfig, SftLossConfig, TinkerLossConfig, load_config
+from opsd.loss import GuardrailSums
 from opsd.loss_kinds import DISTILL_METRICS, build_loss
 from opsd.train import describe_plan
 from opsd.trainer.summary import what_it_showed
@@ -26,8 +27,9 @@ def test_sft_scores_no_distillation_term_and_no_teacher_guardrails():
     sft = build_loss(SftLossConfig())
     logits = torch.randn(5, 11)
     assert torch.equal(sft.distill(logits, logits, torch.arange(5), torch.zeros(5)), torch.zeros(5))
-    sums = sft.guardrails(logits, logits)
-    assert sums.clip_candidates == 0 and sums.student_entropy > 0
+    sums = GuardrailSums()
+    sft.distill(logits, logits, torch.arange(5), torch.zeros(5), guardrails=sums)
+    assert sums.clip_candidates == 0 and sums.teacher_topk_mass == 0  # no teacher, no clip: nothing of its own
 
 
 @pytest.mark.parametrize("override, line", [
