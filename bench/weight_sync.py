@@ -2,7 +2,7 @@
 
 For Qwen2 models of growing size (built locally with random weights, float32, no downloads), a
 child process per size starts a `VLLMEngine` (KV cache bounded), loads the same model in
-transformers, and times `opsd.rollout.weight_sync.push_weights(model, engine)`: one layerwise-reload
+transformers, and times `opsd.rollout.weight_sync.push_weights(model, engine)`: one weight-update
 session, full tensors streamed in buckets of `--bucket-mb`. Beside it, the floor on the same machine:
 `torch.Tensor.copy_` of the same tensors into preallocated buffers (the same bytes, no engine).
 Syncs and copies alternate, `--repeats` of each after one warm-up of each; `sync_over_copy` is the
