@@ -80,6 +80,11 @@ def _divergence(
     if token_clip > 0 and clip_mode == "token":
         clipped = (loss > token_clip).sum()
         loss = loss.clamp(max=token_clip)
+    # A row the teacher scores exactly as the student (the same weights reading the same prompt)
+    # has divergence 0 and gradient 0. Autograd's gradient there is round-off instead (log_softmax's
+    # backward leaves p * (sum(q) - 1), about 1e-7 p), and Adam, which scales each weight's step by
+    # that weight's own gradient size, turns round-off into steps of the full learning rate.
+    loss = torch.where((s == t).all(dim=-1), 0.0, loss)
     return loss * temperature**2, clipped
 
 

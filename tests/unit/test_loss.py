@@ -116,6 +116,23 @@ def test_zero_on_identical_distributions(beta, top_k):
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("top_k", [0, 5])
+@pytest.mark.parametrize("clip", [dict(), dict(token_clip=0.02), dict(token_clip=0.05, clip_mode="token")])
+def test_identical_rows_give_exactly_zero_gradient(beta, top_k, clip):
+    """A teacher scoring exactly as the student (its prompt and weights) teaches nothing: its rows'
+    gradient is 0, not autograd's round-off, which Adam would scale up to full-size steps."""
+    s = logits(8, 50, 8).requires_grad_()
+    t = s.detach().clone()
+    t[:2] += logits(2, 50, 9)  # two rows differ: their gradient stays the reference's
+    loss = generalized_jsd(s, t, beta=beta, top_k=top_k, **clip)
+    loss.sum().backward()
+    assert torch.equal(loss[2:], torch.zeros(6)) and torch.equal(s.grad[2:], torch.zeros(6, 50))
+    reference = s.detach().double().requires_grad_()
+    ref_jsd(reference, t, beta=beta, top_k=top_k, **clip).sum().backward()
+    torch.testing.assert_close(s.grad[:2], reference.grad[:2].float(), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
 @pytest.mark.parametrize("clip", [dict(), dict(token_clip=0.05, clip_mode="token")])
 def test_non_negative(beta, clip):
     s, t = logits(20, 50, 9, scale=4), logits(20, 50, 10, scale=4)
