@@ -12,7 +12,10 @@ median of the pairs' ratios, so that a machine whose load changes during the run
 `begin_s`; what the parts leave of `sync_over_copy` is the trainer side (casting, bucketing). The `smollm2` size is the real
 SmolLM2-135M-Instruct (538 MB in float32, converted into `--smollm2-dir` when missing): its
 `sync_over_copy` is issue #19's acceptance figure (<= 2), printed again as the last JSON object's
-`smollm2_sync_over_copy`.
+`smollm2_sync_over_copy`. With `--cpu-kernels` (CPU only), the SmolLM2 row adds `cpu_kernels`: why
+`finish_s` is there, side by side in the same engine: vLLM's packed CPU GEMM kernels (the default; each
+sync repacks the updated weights) against plain `F.linear` on the weights (a sync is the copy alone),
+each kind's sync and the `generate` that follows it, and `unpacked_generate_over_packed`.
 
 With `--lora`, LoRA rows on SmolLM2-135M-Instruct (converted into `--smollm2-dir` when missing):
 a child process per sync kind times `opsd.rollout.weight_sync.sync_student` of the same model,
@@ -24,7 +27,7 @@ rank receives from the all-gathers of one `push_weights` (`SyncStats.gathered_by
 holding float32 weights and into one holding bfloat16 weights (the engine's dtype in bfloat16 runs):
 the shards are cast before the per-FSDP-unit all-gather, so bfloat16 moves half the bytes.
 
-Run: .venv/bin/python bench/weight_sync.py [--sizes tiny small medium smollm2] [--bucket-mb 256] [--repeats 3]
+Run: .venv/bin/python bench/weight_sync.py [--sizes tiny small medium smollm2] [--bucket-mb 256] [--repeats 3] [--cpu-kernels]
      .venv/bin/python bench/weight_sync.py --sizes --lora [--lora-rank 16]   # LoRA rows only
 Prints one JSON object to stdout: per size, parameters, bytes, sync seconds and GB/s, copy seconds
 and GB/s, and `sync_over_copy` (how many times slower than the memory-copy floor the sync is); per
@@ -102,7 +105,7 @@ def time_parts(engine) -> dict[str, list[float]]:
     return seconds
 
 
-def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str) -> dict:
+def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str, cpu_kernels_row: bool = False) -> dict:
     """Runs in the child process. Syncs and copies alternate (one of each per repeat, after a warm-up of
     each), so that a machine whose load changes slows both alike; the ratio is the median of the pairs'."""
     from transformers import AutoModelForCausalLM
@@ -138,22 +141,95 @@ def measure(size: str, bucket_mb: float, repeats: int, smollm2_dir: str) -> dict
             if i:
                 syncs.append(stats.seconds)
                 copies.append(time.perf_counter() - start)
+        sync_s, copy_s = statistics.median(syncs), statistics.median(copies)
+        nbytes = stats.bytes
+        result = {
+            "size": size,
+            "parameters": sum(p.numel() for p in params),
+            "bytes": nbytes,
+            "buckets": stats.buckets,
+            "tensors": stats.tensors,
+            "sync_s": round(sync_s, 4),
+            "sync_gb_s": round(nbytes / sync_s / 1e9, 3),
+            "copy_s": round(copy_s, 5),
+            "copy_gb_s": round(nbytes / copy_s / 1e9, 3),
+            "sync_over_copy": round(statistics.median(s / c for s, c in zip(syncs, copies)), 2),
+            "parts_over_copy": {part: round(statistics.median(t / c for t, c in zip(times[1:], copies)), 2)
+                                for part, times in parts.items()},
+        }
+        if cpu_kernels_row:
+            result["cpu_kernels"] = cpu_kernels(engine, sync, copy, parts, repeats)
         engine.close()
-    sync_s, copy_s = statistics.median(syncs), statistics.median(copies)
-    nbytes = stats.bytes
+    return result
+
+
+def _flag_linear_layers(worker, unpacked: bool) -> None:
+    """vLLM's own plain path for a CPU linear layer (`_cpu_skip_gemm_dispatch`: `F.linear` on the weight,
+    no packed copy) on every layer from the next update on, or its default packed kernels again."""
+    for module in worker.model_runner.get_model().modules():
+        if getattr(module, "quant_method", None) is not None:
+            module._cpu_skip_gemm_dispatch = unpacked
+
+
+def _plain_lm_head(worker) -> None:
+    """The tied LM head as `F.linear` on the embedding (its packed copy is otherwise made at first use)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            module.cpu_linear = torch.nn.functional.linear
+
+
+def cpu_kernels(engine, sync, copy, parts: dict[str, list[float]], repeats: int) -> dict:
+    """The CPU design choice behind `finish_s`, side by side: vLLM's packed GEMM kernels (the default:
+    every sync repacks) against `F.linear` on the plain weights (a sync is the copy alone). Per round,
+    for each kernel kind in turn: a sync (its parts timed as above) and a copy, one `generate` of 4
+    prompts x 4 samples x 64 tokens (it pays the tied LM head's pack, made at its first use after a
+    sync), and the same `generate` again."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(range(100 + 7 * i, 164 + 7 * i))) for i in range(4)]
+    sampling = SamplingParams(n=4, max_tokens=64, min_tokens=64, temperature=1.0, seed=0)
+
+    def generate() -> float:
+        engine.llm.reset_prefix_cache()
+        start = time.perf_counter()
+        engine.llm.generate(prompts, sampling, use_tqdm=False)
+        return time.perf_counter() - start
+
+    rows = {kind: {"sync_s": [], "copy_s": [], "generate_s": [], "generate_again_s": [], **{part: [] for part in parts}}
+            for kind in ("packed", "unpacked")}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for kind, row in rows.items():
+            engine.llm.collective_rpc(_flag_linear_layers, args=(kind == "unpacked",))
+            start = time.perf_counter()
+            sync()
+            if kind == "unpacked":
+                engine.llm.collective_rpc(_plain_lm_head)
+            synced = time.perf_counter() - start
+            start = time.perf_counter()
+            copy()
+            copied = time.perf_counter() - start
+            first, again = generate(), generate()
+            if round_:
+                for name, value in (("sync_s", synced), ("copy_s", copied), ("generate_s", first), ("generate_again_s", again)):
+                    row[name].append(value)
+                for part, times in parts.items():
+                    row[part].append(times[-1])
+    engine.llm.collective_rpc(_flag_linear_layers, args=(False,))
+    out = {}
+    for kind, row in rows.items():
+        out[kind] = {name: round(statistics.median(row[name]), 4) for name in ("sync_s", "copy_s", "generate_s", "generate_again_s")}
+        out[kind]["sync_over_copy"] = round(statistics.median(s / c for s, c in zip(row["sync_s"], row["copy_s"])), 2)
+        out[kind]["parts_over_copy"] = {part: round(statistics.median(t / c for t, c in zip(row[part], row["copy_s"])), 2) for part in parts}
+    packed, unpacked = out["packed"], out["unpacked"]
     return {
-        "size": size,
-        "parameters": sum(p.numel() for p in params),
-        "bytes": nbytes,
-        "buckets": stats.buckets,
-        "tensors": stats.tensors,
-        "sync_s": round(sync_s, 4),
-        "sync_gb_s": round(nbytes / sync_s / 1e9, 3),
-        "copy_s": round(copy_s, 5),
-        "copy_gb_s": round(nbytes / copy_s / 1e9, 3),
-        "sync_over_copy": round(statistics.median(s / c for s, c in zip(syncs, copies)), 2),
-        "parts_over_copy": {part: round(statistics.median(t / c for t, c in zip(times[1:], copies)), 2)
-                            for part, times in parts.items()},
+        **out,
+        "tokens_generated": 4 * 4 * 64,
+        "unpacked_generate_over_packed": round(unpacked["generate_s"] / packed["generate_s"], 2),
+        "unpacked_sync_and_generate_over_packed": round(
+            (unpacked["sync_s"] + unpacked["generate_s"]) / (packed["sync_s"] + packed["generate_s"]), 2),
     }
 
 
@@ -272,6 +348,8 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="*", choices=[*SIZES, SMOLLM2], default=[*SIZES, SMOLLM2])
     parser.add_argument("--lora", action="store_true", help="add the LoRA rows (SmolLM2: full vs merged vs adapter sync)")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--cpu-kernels", action="store_true",
+                        help="SmolLM2 on CPU: also sync and generate with plain F.linear kernels against the packed ones")
     parser.add_argument("--smollm2-dir", type=Path, default=Path("artifacts/smollm2-135m-instruct"))
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -283,7 +361,9 @@ def main() -> None:
         return
     if SMOLLM2 in args.sizes:
         ensure_smollm2(args.smollm2_dir)
-    results = [_run_child(size, args.bucket_mb, args.repeats, str(args.smollm2_dir)) for size in args.sizes]
+    cpu_row = args.cpu_kernels and not torch.cuda.is_available()
+    results = [_run_child(size, args.bucket_mb, args.repeats, str(args.smollm2_dir), cpu_row and size == SMOLLM2)
+               for size in args.sizes]
     print(json.dumps({
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
