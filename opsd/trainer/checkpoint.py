@@ -316,6 +316,7 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
     final = checkpoint_path(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     try:
+        _in_step(_check_finite_weights, parts, step)
         _in_step(_begin_save, output_dir, step, tmp)
         _in_step(_write_states, tmp, step, parts)
         _in_step(_commit, tmp, final, step, parts, trainer_state)
@@ -339,6 +340,19 @@ def _in_step(phase, *args) -> None:
         error = err
     if _any_rank(error is not None):
         raise error if error is not None else _OtherRankFailed()
+
+
+def _check_finite_weights(parts: TrainingParts, step: int) -> None:
+    """A checkpoint is never written with NaN or inf weights (this rank's shards of the student and
+    of a teacher copy): resuming from one would only train on NaN."""
+    modules = [("the student", parts.student)]
+    if parts.teacher.module is not None:
+        modules.append(("the teacher", parts.teacher.module))
+    for role, module in modules:
+        for name, param in module.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not bool(torch.isfinite(local.detach()).all()):
+                raise CheckpointError(f"not saving checkpoint-{step}: {role}'s {name} holds non-finite values (NaN or inf)")
 
 
 def _begin_save(output_dir: Path, step: int, tmp: Path) -> None:

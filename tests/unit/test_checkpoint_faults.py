@@ -6,6 +6,7 @@ import shutil
 import uuid
 
 import pytest
+import torch
 
 from opsd.trainer import checkpoint as ckpt
 from opsd.trainer.checkpoint import (
@@ -144,3 +145,12 @@ def test_a_warning_comes_one_save_before_the_disk_is_full(small_disk, tiny_text_
     manager.save(1, {})
     out = capsys.readouterr().out
     assert f"checkpoint: WARNING: " in out and f"MB free in {run}, checkpoint-1 took 12 MB: the next save will not fit" in out
+
+
+def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path, tiny_text_dir):
+    parts = saved_parts(tiny_text_dir)
+    with torch.no_grad():
+        next(parts.student.parameters())[0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"not saving checkpoint-1: the student's .* holds non-finite values"):
+        save_checkpoint(tmp_path, 1, parts, {"step": 1})
+    assert list(tmp_path.iterdir()) == []
