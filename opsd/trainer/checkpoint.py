@@ -321,9 +321,10 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
         _in_step(_write_states, tmp, step, parts)
         _in_step(_commit, tmp, final, step, parts, trainer_state)
     except (Exception, CheckpointException) as err:
+        error = save_error(output_dir, step, err)  # before the cleanup frees the space the save took
         if process_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise save_error(output_dir, step, err) from err
+        raise error from err
     return final
 
 
@@ -407,7 +408,8 @@ def _commit(tmp: Path, final: Path, step: int, parts: TrainingParts, trainer_sta
 # --- why a save failed --------------------------------------------------------------------------
 
 DISK_FULL_MB = 1.0
-"""Free space below this after a failed write: the disk was full, whatever error the writer raised."""
+"""Free space below this after a failed write (measured before its `.tmp` is removed): the disk was
+full, whatever error the writer raised."""
 _WRITER_FAILURES = ("inline_container", "IoError", "No space left", "os error", "Disk quota")
 """Words of the errors torch.save's zip writer and safetensors raise for a failed write (no OSError)."""
 

@@ -17,6 +17,7 @@ from opsd.trainer.checkpoint import (
     save_checkpoint,
 )
 from opsd.trainer.checkpoint_manager import CheckpointManager
+from tests.helpers.disk import fill, small_file_system
 from tests.helpers.parts import assert_same_tensors, make_parts, run_config, take_steps
 
 
@@ -60,19 +61,36 @@ def make_loaded(tiny_text_dir, path):
     return parts.student.state_dict()
 
 
-def test_the_zip_writer_failing_on_a_full_disk_is_named_too(tmp_path, tiny_text_dir, monkeypatch):
-    """torch.save's writer reports a full disk as `unexpected pos`, with no OSError: the free space tells."""
-    parts = saved_parts(tiny_text_dir)
+def test_the_first_save_onto_a_full_disk_names_the_cause_and_the_free_space_at_the_failure(tmp_path, tiny_text_dir, monkeypatch):
+    """No earlier checkpoint to size the early check by: the writers themselves fill a 6 MB file system."""
+    with small_file_system(tmp_path / "small", monkeypatch, size_mb=6) as (run, mounted):
+        with pytest.raises(CheckpointSaveError) as err:
+            save_checkpoint(run, 1, saved_parts(tiny_text_dir), {"step": 1})
+        assert sorted(p.name for p in run.iterdir() if p.name != "lost+found") == []  # no .tmp left
+    message = str(err.value)
+    assert message.startswith(f"saving checkpoint-1 to {run} failed: No space left on device"), message
+    if mounted:  # the free space when the write failed, not after the cleanup freed what the save took
+        assert "; free space: 0 MB; the last complete checkpoint is none. " in message, message
 
-    def full(obj, path):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
-    monkeypatch.setattr(ckpt.torch, "save", full)
-    monkeypatch.setattr(ckpt, "free_mb", lambda path: 0.2)
-    with pytest.raises(CheckpointSaveError, match=r"failed: No space left on device \(RuntimeError: \[enforce fail at "
-                                                  r"inline_container.cc:672\] . unexpected pos 704 vs 598\); free space: 0 MB"):
-        save_checkpoint(tmp_path, 1, parts, {"step": 1})
-    assert list(tmp_path.iterdir()) == []
+def test_the_zip_writer_failing_on_a_full_disk_is_named_too(small_disk, tiny_text_dir, monkeypatch):
+    """torch.save's writer reports a full disk as `unexpected pos`, with no OSError: the free space
+    at the failure tells. The disk is really filled just before the RNG states are written."""
+    run, mounted = small_disk
+    if not mounted:
+        pytest.skip("needs a small file system (mount -t tmpfs, as root)")
+    save = ckpt.torch.save
+
+    def onto_a_full_disk(obj, path, *args, **kwargs):
+        if not hasattr(path, "write"):  # the RNG file (DCP saves into memory buffers first)
+            fill(path.parent)  # inside the .tmp: the cleanup frees it again
+        save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", onto_a_full_disk)
+    with pytest.raises(CheckpointSaveError, match=r"failed: No space left on device \(RuntimeError: .*unexpected pos .*\); "
+                                                  r"free space: 0 MB; the last complete checkpoint is none\."):
+        save_checkpoint(run, 1, saved_parts(tiny_text_dir), {"step": 1})
+    assert sorted(p.name for p in run.iterdir() if p.name != "lost+found") == []
 
 
 def test_a_failure_that_is_not_the_disk_keeps_its_traceback_and_leaves_no_tmp(tmp_path, tiny_text_dir, monkeypatch):
