@@ -27,3 +27,18 @@ def build_scheduler(cfg: OptimConfig, optimizer, max_steps: int) -> torch.optim.
     if cfg.schedule == "constant":
         return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
     return get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, max_steps, min_lr=cfg.min_lr)
+
+
+def apply_on_resume(cfg: OptimConfig, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """After a resume has loaded the optimizer's and the schedule's state (which hold the settings of
+    the checkpoint's run): this run's `optim` settings replace them. The schedule was built from this
+    run's `optim` and `train.max_steps`; at the resumed step it gives the learning rate a fresh run of
+    these settings would use there (a larger `max_steps` continues that longer run's schedule). The
+    moments and the step count stay the checkpoint's; with unchanged settings nothing changes."""
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates
