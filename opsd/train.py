@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 import warnings
-from contextlib import ExitStack, closing, suppress
+from contextlib import ExitStack, closing, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
+from opsd.trainer.output_lock import OutputDirInUse, output_dir_lock
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.rng import seed_everything
@@ -61,7 +62,9 @@ from opsd.trainer.summary import format_summary, read_records, run_summary, writ
 
 def train(cfg: Config) -> Path:
     """Train to `train.max_steps`; raises `RunStopped` after a clean stop on a signal."""
-    with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file, \
+    # One run per output directory, taken before anything in it is touched (rank 0 holds it for the job).
+    lock = output_dir_lock(cfg.logging.output_dir) if process_rank() == 0 else nullcontext()
+    with lock, third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file, \
             stop_on_signals(announce=process_rank() == 0) as stop:
         run = start_run(cfg, log_file)
         try:
@@ -462,9 +465,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return 0 if run_check(cfg) else 1
         train(cfg)
-    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, NonFiniteStepsError) as err:
+    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, NonFiniteStepsError, OutputDirInUse) as err:
         # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce,
-        # a failed save (the disk), a loss that stayed non-finite
+        # a failed save (the disk), a loss that stayed non-finite, an output directory in use
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RunStopped as stopped:  # the status tells the scheduler; the line tells the user
