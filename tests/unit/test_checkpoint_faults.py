@@ -172,3 +172,43 @@ def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path, tiny_te
     with pytest.raises(CheckpointError, match=r"not saving checkpoint-1: the student's .* holds non-finite values"):
         save_checkpoint(tmp_path, 1, parts, {"step": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_large_shard_changed_after_the_save_is_caught_by_its_hash(tmp_path, tiny_text_dir):
+    """64 KiB of 0xFF inside a training-state shard of over 16 MiB (the size main checked by size only):
+    the resume stops before loading it, naming the file and the newest intact checkpoint."""
+    ballast = lambda model: model.register_parameter("ballast", torch.nn.Parameter(torch.randn(3_000_000)))  # noqa: E731
+    parts = make_parts(tiny_text_dir, teacher_mode="self", wrap=ballast)
+    take_steps(parts, 1)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, parts, {"step": step, "counters": {}, "config": {}})
+    shard = max((tmp_path / "checkpoint-2" / "train_state").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    assert shard.stat().st_size > 16 << 20
+    with open(shard, "r+b") as f:  # inside the weights' bytes: the size stays, the content does not
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * (64 << 10))
+    with pytest.raises(CheckpointError) as err:
+        CheckpointManager(run_config(tmp_path, resume_from="auto"), tmp_path)
+    older = tmp_path / "checkpoint-1"
+    assert str(err.value).startswith(f"checkpoint {tmp_path / 'checkpoint-2'} is corrupt: train_state/{shard.name} differs "
+                                     "from the file that was saved (sha256). The newest intact checkpoint is "
+                                     f"{older}: continue from it with checkpoint.resume_from={older}")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_a_corrupt_model_directory_at_the_start_is_one_error_line_naming_the_file(damage, tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
+    import opsd.train
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_vlm_dir, model)
+    weights = model / "model.safetensors"
+    if damage == "truncated":
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size - 1000)
+    else:
+        weights.write_bytes(bytes(range(256)) * 64 + weights.read_bytes()[16384:])
+    status = opsd.train.main(["--config", "configs/demo.yaml", f"model.path={model}", "model.build=null",
+                              f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: model.path: {weights} is corrupt: ") and damage in err[0], err
