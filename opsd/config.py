@@ -248,6 +248,11 @@ class ServerEngineConfig:
     """How long to wait for the server to become healthy before giving up."""
     request_timeout_s: Positive = 600
     """Longest wait for one HTTP request (a generation or a weight bucket) before it fails."""
+    health_timeout_s: Positive = 10
+    """While a request is in flight, the server's `/health` is probed every this many seconds, each
+    probe waiting as long: a server that is dead or frozen (no answer to the probe) ends the run
+    within about twice this, with a checkpoint of the last completed step (docs/faults.md), instead
+    of holding for `request_timeout_s`."""
     max_parallel_requests: Annotated[int, Field(gt=0)] = 32
     """Generation requests in flight at once (one per prompt; the server batches them)."""
 

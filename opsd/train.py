@@ -40,7 +40,7 @@ from opsd.modeling import (
 )
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
-from opsd.rollout import RolloutEngine, make_engine
+from opsd.rollout import EngineLost, RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
 from opsd.sequences import Example, encode_prompt, padding_example, prompt_length_check
@@ -49,6 +49,7 @@ from opsd.trainer.checkpoint import CheckpointError, TrainingParts, latest_check
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
+from opsd.trainer.heartbeat import EXIT_RANK_LOST
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
 from opsd.trainer.output_lock import OutputDirInUse, output_dir_lock
@@ -58,6 +59,10 @@ from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import NonFiniteStepsError, TrainStep
 from opsd.trainer.stop import EXIT_STOPPED, RunStopped, StepStart, StopRequest, signal_name, stop_on_signals
 from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
+
+
+class EngineLostError(RuntimeError):
+    """The rollout engine stopped answering; the last finished step is saved (status 4)."""
 
 
 def train(cfg: Config) -> Path:
@@ -89,8 +94,12 @@ def train_steps(run: Run, stop: StopRequest) -> RunStopped | None:
             return stop_run(run, signum, stop)
         before_rollout = StepStart.capture(run.stream)  # an abandoned step must leave no trace
         timer, lr = StageTimer(), run.scheduler.get_last_lr()[0]
-        with timer("rollout"):
-            rollout = sample(run, step)
+        try:
+            with timer("rollout"):
+                rollout = sample(run, step)
+        except EngineLost as lost:  # the step is abandoned as at a stop signal; the last finished one is saved
+            before_rollout.restore(run.stream)
+            raise engine_lost(run, lost, step, run.last_step, run.last_record) from lost
         if signum := stop.agreed(run.ranks):  # it came during the rollout: the step is abandoned
             before_rollout.restore(run.stream)
             return stop_run(run, signum, stop)
@@ -103,9 +112,15 @@ def train_steps(run: Run, stop: StopRequest) -> RunStopped | None:
             check_bad_steps(run, step)
             continue
         run.bad_steps = 0
-        with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
-            sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
-                                exclude=run.frozen)
+        try:
+            with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
+                sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb,
+                                    lora_sync=cfg.rollout.lora_sync, exclude=run.frozen)
+        except EngineLost as lost:  # the update is applied: the step is logged and saved (a resume syncs the engine)
+            record = {**trained.metrics, **trained.counts, "lr": lr, **timer.record()}
+            run.logger.log(step, record)
+            run.checkpoints.step_end(step, record)
+            raise engine_lost(run, lost, step, step, record) from lost
         record = {**trained.metrics, **trained.counts, "lr": lr, **timer.record(),
                   "weight_sync_bytes": sync.bytes, "weight_sync_gathered_bytes": sync.gathered_bytes}
         recorder = trained.recorder
@@ -309,6 +324,21 @@ def stop_run(run: Run, signum: int, stop: StopRequest) -> RunStopped:
     return RunStopped(signal_name(signum), step, latest.path.name if latest else None, stop.at)
 
 
+def engine_lost(run: Run, lost: EngineLost, step: int, finished: int, record: dict) -> EngineLostError:
+    """The engine stopped answering during `step`: save `finished` (the last step whose update is in
+    the weights) unless it was just saved, and say how to continue."""
+    checkpoints = run.checkpoints
+    # Under torchrun the other ranks are not at this point: a save (collective) would hang; torchrun ends the job.
+    if finished > 0 and checkpoints.last_saved_step != finished and not run.ranks.enabled:
+        checkpoints.save(finished, record)
+    latest = latest_checkpoint(run.output_dir)
+    saved = (f"{latest.path.name} holds step {latest.step}" if latest else "no checkpoint yet (no step finished)")
+    return EngineLostError(
+        f"{lost} (during step {step}); {saved}. Restart the engine (the rollout server), then continue with "
+        f"checkpoint.resume_from=auto (exit status {EXIT_RANK_LOST})"
+    )
+
+
 def end_run(run: Run, stopped: RunStopped | None = None) -> None:
     run.logger.close()
     if run.ranks.is_main:  # the summary, on the console and in summary.json
@@ -470,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         # a failed save (the disk), a loss that stayed non-finite, an output directory in use
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except EngineLostError as err:  # a dead or frozen rollout server: like a lost rank, after a save
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RANK_LOST
     except RunStopped as stopped:  # the status tells the scheduler; the line tells the user
         if process_rank() == 0:
             resume = "; continue with checkpoint.resume_from=auto" if stopped.checkpoint else ""

@@ -2,11 +2,11 @@
 
 from opsd.config import BUILTIN_ENGINES
 from opsd.rollout.engine import (
-    Completion, EngineCapabilities, RolloutEngine, SamplingSettings, WeightReceiver, sampling_settings,
+    Completion, EngineCapabilities, EngineLost, RolloutEngine, SamplingSettings, WeightReceiver, sampling_settings,
 )
 
 __all__ = [
-    "Completion", "EngineCapabilities", "RolloutEngine", "SamplingSettings", "WeightReceiver", "builtin_engine",
+    "Completion", "EngineCapabilities", "EngineLost", "RolloutEngine", "SamplingSettings", "WeightReceiver", "builtin_engine",
     "make_engine", "sampling_settings",
 ]
 

@@ -116,6 +116,12 @@ class EngineCapabilities:
     must bring all of them, a frozen vision tower's too (`sync_student`'s `exclude`)."""
 
 
+class EngineLost(RuntimeError):
+    """The engine stopped answering (a rollout server that died or froze); the message says which and
+    since when. Any engine may raise it from `generate` or the weight update: the run then saves its
+    last completed step and exits with status 4 (docs/faults.md)."""
+
+
 class RolloutEngine(WeightReceiver, Protocol):
     """A sampler the trainer keeps on-policy: `generate`, the weight update of `WeightReceiver`,
     `close`, and its declared optional abilities (`capabilities`)."""

@@ -19,16 +19,17 @@ import base64
 import io
 import shutil
 import tempfile
+import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from pathlib import Path
 
 import httpx
 import torch
 
 from opsd.prompts import Prompt, tokenizer_of
-from opsd.rollout.engine import Completion, EngineCapabilities, SamplingSettings
+from opsd.rollout.engine import Completion, EngineCapabilities, EngineLost, SamplingSettings
 from opsd.rollout.receivers import save_bucket
 from opsd.rollout.vllm_args import sampling_params
 
@@ -37,6 +38,11 @@ LAUNCH_HINT = "start it with `python -m opsd.rollout.serve --config <your config
 
 class ServerError(RuntimeError):
     """The server refused a request or is not set up for opsd; the message says which and why."""
+
+
+class ServerLost(ServerError, EngineLost):
+    """The server stopped answering during the run: its connection was refused or cut, or its
+    `/health` did not answer within `health_timeout_s`."""
 
 
 def _png_data_url(image) -> str:
@@ -55,6 +61,28 @@ def _staging_dir(weights_dir: str | None) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="opsd-weights-", dir=root)), True
 
 
+class _DaemonPool:
+    """Up to `size` calls at once, each in a daemon thread: a call blocked on a frozen server (up to
+    `request_timeout_s`) neither holds the caller, who gives up on it (`ServerEngine._guarded`), nor the
+    process's exit, as the worker threads of a ThreadPoolExecutor would (they are joined at exit)."""
+
+    def __init__(self, size: int):
+        self._slots = threading.BoundedSemaphore(size)
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+
+        def run():
+            with self._slots:
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as err:  # handed to the caller through the future
+                    future.set_exception(err)
+
+        threading.Thread(target=run, daemon=True, name="opsd-server-request").start()
+        return future
+
+
 class ServerEngine:
     def __init__(
         self,
@@ -64,6 +92,7 @@ class ServerEngine:
         weights_dir: str | None = None,
         startup_timeout_s: float = 300,
         request_timeout_s: float = 600,
+        health_timeout_s: float = 10,
         max_parallel_requests: int = 32,
         weight_dtype: torch.dtype | None = None,
         frozen_vision: bool = False,
@@ -76,6 +105,9 @@ class ServerEngine:
         self.weight_updates = 0
         self.tokenizer = tokenizer_of(processor)
         self.client = httpx.Client(base_url=url, timeout=request_timeout_s)
+        self.health_timeout_s = health_timeout_s
+        self._probe = httpx.Client(base_url=url, timeout=health_timeout_s)  # its own short timeout
+        self._ready = False
         self._wait_until_ready(startup_timeout_s)
         self.model = self._call("GET", "/v1/models")["data"][0]["id"]
         self.weights_dir, owns_weights_dir = _staging_dir(weights_dir)
@@ -83,15 +115,18 @@ class ServerEngine:
         self._remove_weights_dir = weakref.finalize(self, shutil.rmtree, self.weights_dir, ignore_errors=True)
         if not owns_weights_dir:
             self._remove_weights_dir.detach()
-        self._pool = ThreadPoolExecutor(max_parallel_requests, thread_name_prefix="opsd-server-engine")
+        self._pool = _DaemonPool(max_parallel_requests)
+        self._calls = _DaemonPool(1)  # weight-sync calls: one at a time, in order
         self._bucket_index = 0
+        self._ready = True  # from here on, a server that stops answering is lost, not missing
 
     @classmethod
     def from_config(cls, cfg, processor) -> "ServerEngine":
         s = cfg.rollout.server
         return cls(
             s.url, processor, weights_dir=s.weights_dir, startup_timeout_s=s.startup_timeout_s,
-            request_timeout_s=s.request_timeout_s, max_parallel_requests=s.max_parallel_requests,
+            request_timeout_s=s.request_timeout_s, health_timeout_s=s.health_timeout_s,
+            max_parallel_requests=s.max_parallel_requests,
             weight_dtype=getattr(torch, cfg.model.dtype),  # the server runs with --dtype model.dtype
             frozen_vision=cfg.model.freeze_vision,
         )
@@ -101,6 +136,9 @@ class ServerEngine:
         try:
             response = self.client.request(method, path, json=body)
         except httpx.TransportError as err:
+            if self._ready:
+                raise ServerLost(f"rollout server {self.url} stopped answering: {path} failed with {err!r} "
+                                 "(the server died or its connection was cut)") from err
             raise ServerError(f"rollout server {self.url}{path}: {err!r}; is it running? {LAUNCH_HINT}") from err
         if response.status_code == 404:
             raise ServerError(f"rollout server {self.url} has no endpoint {path}; {LAUNCH_HINT}")
@@ -110,7 +148,33 @@ class ServerEngine:
 
     def _rpc(self, method: str, *args: str) -> list:
         """Call a worker-extension method on every worker; string arguments only."""
-        return self._call("POST", "/collective_rpc", {"method": method, "args": list(args)})["results"]
+        return self._guarded(self._calls.submit(self._call, "POST", "/collective_rpc", {"method": method, "args": list(args)}))[0]["results"]
+
+    def _guarded(self, *futures):
+        """The results of requests in flight, probing `/health` every `health_timeout_s` (with that
+        timeout) while they run: a server that does not answer the probe is lost, whatever the
+        requests' own `request_timeout_s`."""
+        pending = set(futures)
+        while pending:
+            _, pending = wait(pending, timeout=self.health_timeout_s, return_when=FIRST_EXCEPTION)
+            if any(f.done() and f.exception() is not None for f in futures):
+                break
+            if pending:
+                self._check_health()
+        return [f.result() for f in futures]
+
+    def _check_health(self) -> None:
+        started = time.monotonic()
+        try:
+            status = self._probe.get("/health").status_code
+        except httpx.TransportError as err:
+            reason = (f"no answer to /health within {self.health_timeout_s:g} s (rollout.server.health_timeout_s): "
+                      "the server is frozen or overloaded" if isinstance(err, httpx.TimeoutException)
+                      else f"/health failed with {err!r}: the server died")
+            raise ServerLost(f"rollout server {self.url} stopped answering: {reason}") from err
+        if status != 200:
+            raise ServerLost(f"rollout server {self.url} is unhealthy: /health answered {status} after "
+                             f"{time.monotonic() - started:.1f} s")
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -155,7 +219,7 @@ class ServerEngine:
 
     def generate(self, prompts: list[Prompt], sampling: SamplingSettings) -> list[Completion]:
         requests = [self._request(p, sampling, i) for i, p in enumerate(prompts)]
-        responses = list(self._pool.map(lambda body: self._call("POST", "/inference/v1/generate", body), requests))
+        responses = self._guarded(*(self._pool.submit(self._call, "POST", "/inference/v1/generate", body) for body in requests))
         completions = []
         for i, response in enumerate(responses):
             for choice in sorted(response["choices"], key=lambda c: c["index"]):
@@ -189,7 +253,7 @@ class ServerEngine:
         # Cached KV blocks and image encodings were computed by the old weights; the scheduler
         # keeps its own record of cached encodings, so it is reset too (else "Encoder cache miss").
         for path in ("/reset_prefix_cache", "/reset_mm_cache", *([] if keep else ["/reset_encoder_cache"])):
-            self._call("POST", path)
+            self._guarded(self._calls.submit(self._call, "POST", path))
         self.weight_updates += 1
 
     def weight_checksums(self) -> dict[str, str]:
@@ -198,6 +262,6 @@ class ServerEngine:
 
     def close(self) -> None:
         """Drops the connection and the staging dir; the server itself keeps running (not ours)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe.close()
         self.client.close()
         self._remove_weights_dir()

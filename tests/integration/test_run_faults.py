@@ -28,3 +28,17 @@ def test_a_loss_that_turns_nan_is_not_trained_on_and_stops_the_run_with_a_finite
     weights = load_file(saved.path / "model" / "model.safetensors")
     assert all(bool(t.isfinite().all()) for t in weights.values())  # never a NaN checkpoint
     assert all(math.isfinite(r["loss"]) for r in records[:-2])
+
+
+@pytest.mark.slow
+def test_a_lost_rollout_engine_saves_the_last_finished_step_and_names_how_to_continue(tmp_path, tiny_vlm_dir, grid_data_dir):
+    """The engine is lost during step 3's rollout: step 2 is saved, the error says so (status 4 in main)."""
+    cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=tests.helpers.odd_engines:EngineLostAtThirdRollout",
+                      "train.max_steps=4", "checkpoint.save_every=0", "eval.every=0", "checkpoint.resume_from=null")
+    with pytest.raises(opsd.train.EngineLostError) as err:
+        opsd.train.train(cfg)
+    assert str(err.value).startswith("rollout server http://127.0.0.1:1 stopped answering: /health failed (a test) "
+                                     "(during step 3); checkpoint-2 holds step 2. Restart the engine")
+    assert "checkpoint.resume_from=auto (exit status 4)" in str(err.value)
+    assert [c.step for c in list_checkpoints(tmp_path / "run")] == [2]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
