@@ -416,8 +416,9 @@ def loss_key_hint(kind: str, key: str) -> str:
     owners = [other for other, section in LOSS_CONFIGS.items() if key in {f.name for f in dataclasses.fields(section)}]
     if not owners:
         return f"loss.kind={kind} has no {key}; it takes {takes}"
-    return (f"a setting of loss.kind={'/'.join(owners)}, not of {kind}, which takes {takes}; to switch kinds "
-            f"from the command line, replace the section: 'loss={{kind: {kind}}}'")
+    return (f"a setting of loss.kind={'/'.join(owners)}, not of {kind}, which takes {takes}; to use it, switch kinds "
+            f"(from the command line, replace the section: 'loss={{kind: {owners[0]}, {key}: ...}}'); to keep "
+            f"loss.kind={kind}, drop it ('loss={{kind: {kind}}}' replaces a file's section)")
 
 
 TEACHER_MODES = ("self", "ema", "fixed", "base")

@@ -14,19 +14,57 @@ SIGTERM, SIGINT or SIGUSR1 stop it after the step in progress with a checkpoint 
 from __future__ import annotations
 
 import argparse
+import atexit
 import sys
 import time
 import warnings
 from contextlib import ExitStack, closing, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import torch
+from opsd.config import Config, ConfigError, config_to_dict, load_config
+
+
+# The command line comes first: as a script, a config mistake is named before torch, transformers
+# and vLLM are imported below (about a second instead of 8 to 47 s on a loaded machine).
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML config file")
+    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, plan and memory plan, exit")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: ranks to plan memory for (default: torchrun's WORLD_SIZE, else 1)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="--dry-run: memory of one device in GB (default: the detected CUDA device)")
+    parser.add_argument("--check", action="store_true",
+                        help="self-test on one step's prompts (divergence 0 without privileged information, "
+                             "engine/trainer logprobs agree, weight sync), print the divergence with it, exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also show third-party output (vLLM, transformers, warnings) on the console; "
+                             "it always goes to <output_dir>/run.log (sets logging.verbose)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
+    return parser.parse_args(argv)
+
+
+def load_args_config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides + (["logging.verbose=true"] if args.verbose else []))
+
+
+if __name__ == "__main__":
+    try:
+        load_args_config(parse_args())
+    except ConfigError as _err:
+        print(f"error: {_err}", file=sys.stderr)
+        sys.exit(2)
+    _FINAL_LINES: list[Callable[[], str]] = []
+    # Registered before the heavy imports register theirs: atexit runs it last, so a line written
+    # here measures the whole shutdown of the process (its threads, vLLM's and torch's exit handlers).
+    atexit.register(lambda: [print(line(), file=sys.stderr, flush=True) for line in _FINAL_LINES])
+
+import torch  # noqa: E402 (the imports below come after the command-line check above)
 import yaml
 from tqdm.auto import tqdm
 
-from opsd.config import Config, ConfigError, config_to_dict, load_config
 from opsd.data.dataset import describe_data, train_stream
 from opsd.data.errors import BadSampleError
 from opsd.data.stream import SampleStream
@@ -459,28 +497,12 @@ def describe_memory(cfg: Config, world_size: int, device_gb: float | None) -> st
         return f"memory plan: skipped, {err}"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m opsd.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="YAML config file")
-    parser.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, plan and memory plan, exit")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="--dry-run: ranks to plan memory for (default: torchrun's WORLD_SIZE, else 1)")
-    parser.add_argument("--gpu-memory-gb", type=float, default=None,
-                        help="--dry-run: memory of one device in GB (default: the detected CUDA device)")
-    parser.add_argument("--check", action="store_true",
-                        help="self-test on one step's prompts (divergence 0 without privileged information, "
-                             "engine/trainer logprobs agree, weight sync), print the divergence with it, exit")
-    parser.add_argument("--verbose", action="store_true",
-                        help="also show third-party output (vLLM, transformers, warnings) on the console; "
-                             "it always goes to <output_dir>/run.log (sets logging.verbose)")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, final_line: Callable[[Callable[[], str]], None] | None = None) -> int:
+    """The CLI; returns the exit status. `final_line(line)`: how the last line of a stopped run is
+    written (`line()` gives it, with the seconds since the signal as of that call); default: at once."""
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides + (["logging.verbose=true"] if args.verbose else []))
+        cfg = load_args_config(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -506,10 +528,14 @@ def main(argv: list[str] | None = None) -> int:
     except RunStopped as stopped:  # the status tells the scheduler; the line tells the user
         if process_rank() == 0:
             resume = "; continue with checkpoint.resume_from=auto" if stopped.checkpoint else ""
-            print(f"{stopped}{resume} (exit status {EXIT_STOPPED})", file=sys.stderr)
+            line = lambda: f"{stopped}{resume} (exit status {EXIT_STOPPED})"  # noqa: E731
+            if final_line is None:
+                print(line(), file=sys.stderr)
+            else:
+                final_line(line)
         return EXIT_STOPPED
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(final_line=_FINAL_LINES.append))  # a stop's last line at the process's exit

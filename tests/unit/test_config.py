@@ -94,6 +94,14 @@ def test_bad_keys_and_values_are_named(section, values, named):
         config_from_dict({**MINIMAL, section: values})
 
 
+def test_a_key_of_another_loss_kind_says_how_to_switch_to_that_kind():
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/demo.yaml", ["loss.tinker_weight=1"])
+    message = str(err.value)
+    assert "loss.tinker_weight: a setting of loss.kind=tinker, not of jsd" in message
+    assert "to use it, switch kinds (from the command line, replace the section: 'loss={kind: tinker, tinker_weight: ...}')" in message
+
+
 def test_missing_required_section_is_named():
     with pytest.raises(ConfigError, match="model"):
         config_from_dict({"data": {"path": "d"}})

@@ -58,3 +58,17 @@ def test_an_engine_class_without_close_is_named_before_it_is_built(tmp_path, tin
         f"error: rollout.engine: '{engine}': EngineWithoutClose has no close method; an engine needs generate, "
         "begin_weight_update, receive_weights, end_weight_update, close (opsd/rollout/engine.py)"
     )
+
+
+def test_a_config_mistake_is_named_before_torch_is_imported():
+    """`python -m opsd.train` checks the command line first: no torch, transformers or vLLM import
+    stands between a typo and its error line."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "opsd.train", "--config", "configs/demo.yaml",
+                           "train.max_stpes=3"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 2 and "error: invalid config:\n  train.max_stpes: Unexpected keyword argument" in done.stderr
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "opsd" in imported and not imported & {"torch", "transformers", "vllm"}
