@@ -429,13 +429,14 @@ class OptimConfig:
     """AdamW with a linear warm-up, then a cosine decay to `min_lr` or a constant rate."""
 
     lr: Positive = 1e-5
-    """Peak learning rate, reached after `warmup_steps`."""
+    """Peak learning rate, reached at step `warmup_steps` (at step 1 without a warm-up)."""
     min_lr: NonNegative = 1e-7
     """Learning rate at `train.max_steps` for the cosine schedule (at most `lr`)."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """After the warm-up: `cosine` decay to `min_lr`, or `constant` at `lr`."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
-    """Optimizer steps of linear warm-up from 0 to `lr`."""
+    """Optimizer steps of linear warm-up: step s of them trains at `lr * s / warmup_steps` (step 1
+    above 0), the last at `lr`; the plan warns when `train.max_steps` does not go past them."""
     betas: tuple[Probability, Probability] = (0.9, 0.95)
     """AdamW's moment decay rates."""
     eps: Positive = 1e-15

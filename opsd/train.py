@@ -52,7 +52,7 @@ from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
-from opsd.trainer.optim import build_optimizer, build_scheduler
+from opsd.trainer.optim import build_optimizer, build_scheduler, warmup_warning
 from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import TrainStep
 from opsd.trainer.stop import EXIT_STOPPED, RunStopped, StepStart, StopRequest, signal_name, stop_on_signals
@@ -362,7 +362,8 @@ def describe_plan(cfg: Config) -> str:
         f"  teacher {cfg.teacher.mode}; privileged {'+'.join(cfg.prompts.privileged)}"
         f"{f' ({cfg.prompts.noise} noise ablation)' if cfg.prompts.noise != 'off' else ''}",
         f"  loss {cfg.loss.kind}: {build_loss(cfg.loss).describe()}",
-        f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
+        f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})"
+        + (f"\n  {warning}" if (warning := warmup_warning(cfg.optim, t.max_steps)) else ""),
         f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
         f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"
         f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}",
