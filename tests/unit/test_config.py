@@ -130,6 +130,25 @@ def test_cli_reports_bad_override_without_traceback(capsys):
     assert main(["--config", "configs/missing.yaml", "--dry-run"]) == 2
 
 
+def test_a_text_that_yaml_reads_as_a_mapping_stays_text():
+    """`Fact:` is a one-key mapping to YAML; as an override value it is the text, and a flow mapping is a mapping."""
+    cfg = load_config("configs/demo.yaml", ["prompts.privileged_text_intro=Fact:", "prompts.system=Note: a: b"])
+    assert cfg.prompts.privileged_text_intro == "Fact:" and cfg.prompts.system == "Note: a: b"
+    assert load_config("configs/demo.yaml", ["loss={kind: tinker}"]).loss.kind == "tinker"
+    with pytest.raises(ConfigError, match=r"prompts\.system: Input should be a valid string \(got \{'a': 1\}\)"):
+        load_config("configs/demo.yaml", ["prompts.system={a: 1}"])
+
+
+def test_an_override_of_data_datasets_replaces_data_path(tmp_path):
+    """The demo names its data by data.path and data.synthetic; data.datasets=[...] alone replaces both (and back)."""
+    cfg = load_config("configs/demo.yaml", [f"data.datasets=[{{path: {tmp_path}, schema: text}}]"])
+    assert cfg.data.path is None and cfg.data.synthetic is None and cfg.data.datasets[0].path == str(tmp_path)
+    cfg = load_config("configs/text_opsd_smollm2.yaml", [f"data.path={tmp_path}"])
+    assert cfg.data.path == str(tmp_path) and cfg.data.datasets == []
+    with pytest.raises(ConfigError, match="also set data.path=null data.synthetic=null"):
+        config_from_dict({**MINIMAL, "data": {"path": "d", "datasets": [{"path": "e"}]}})
+
+
 def test_overrides_index_lists():
     cfg = load_config("configs/text_opsd_smollm2.yaml", ["data.datasets.0.path=/data/x", "data.datasets.0.weight=2"])
     assert cfg.data.datasets[0].path == "/data/x" and cfg.data.datasets[0].weight == 2.0
