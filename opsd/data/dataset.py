@@ -151,12 +151,25 @@ def _split_files(path: Path, split: str, where: str) -> list[str]:
             found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
         except Exception as err:  # EmptyDatasetError, FileNotFoundError
             raise DataConfigError(f"{where}: no data files in {path} ({err})") from None
-        return list(found[_pick_split(split, [str(s) for s in found], where)])
+        # `datasets` scans the folder recursively and matches split names anywhere in a file's name:
+        # images beside the data (`vis/img/train_0.png`) are no split's rows.
+        data_files = {str(s): [f for f in fs if is_data_file(f)] for s, fs in found.items()}
+        data_files = {s: fs for s, fs in data_files.items() if fs}
+        if not data_files:
+            others = sorted(Path(f).name for fs in found.values() for f in fs)
+            raise DataConfigError(f"{where}: no data files ({', '.join(BUILDERS)}) in {path}, only "
+                                  f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}")
+        return data_files[_pick_split(split, list(data_files), where)]
     files = sorted(glob.glob(str(path), recursive=True))
     if not files:
         raise DataConfigError(f"{where}: no file matches {path}")
     _pick_split(split, ["train"], f"{where} ({path} is a glob, its split is train)")
     return files
+
+
+def is_data_file(file: str) -> bool:
+    """A file whose rows a dataset folder holds (by suffix, `BUILDERS`): not an image beside them."""
+    return Path(file).suffix.lower() in BUILDERS
 
 
 def _load_file(file: str, where: str):
