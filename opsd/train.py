@@ -27,8 +27,9 @@ import yaml
 from tqdm.auto import tqdm
 
 from opsd.config import Config, ConfigError, config_to_dict, load_config
-from opsd.data.dataset import describe_data, train_stream
-from opsd.data.errors import BadSampleError
+from opsd.data.dataset import describe_data, peek_data, train_stream
+from opsd.data.errors import BadSample, BadSampleError
+from opsd.data.sample import Sample
 from opsd.data.stream import SampleStream
 from opsd.device import process_rank, process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
@@ -39,7 +40,7 @@ from opsd.modeling import (
     empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir, vision_parameter_names,
 )
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
-from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
+from opsd.prompts import describe_prompts, is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
@@ -176,6 +177,8 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     # Datasets are opened (and checked against the config) before any weights are loaded.
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor), sharded=ranks.enabled)
+    if ranks.is_main:
+        print(describe_first_sample(first_row(stream), cfg), flush=True)
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     with native_output_to_log(None if cfg.logging.verbose else log_file):
         engine = make_engine(cfg, model_dir, processor)
@@ -366,7 +369,8 @@ def describe_plan(cfg: Config) -> str:
         + (f"\n  {warning}" if (warning := warmup_warning(cfg.optim, t.max_steps)) else ""),
         f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
         f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"
-        f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}",
+        f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}"
+        f"{f', answer pattern {cfg.eval.answer_pattern}' if cfg.eval.every else ''}",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
         f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
         f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
@@ -374,6 +378,23 @@ def describe_plan(cfg: Config) -> str:
         f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
         f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
     ])
+
+
+def first_row(stream: SampleStream) -> Sample | BadSample:
+    """Row 0 of the first dataset's first file, the sample `--dry-run` shows too."""
+    try:
+        return stream.sources[0].sample(0)
+    except BadSample as bad:
+        return bad
+
+
+def describe_first_sample(first: Sample | BadSample | None, cfg: Config) -> str:
+    """The plan's view of the prompts: the first row's student and teacher prompts."""
+    if first is None:
+        return "  first sample: not shown, the data is not here yet (the run shows it at start)"
+    if isinstance(first, BadSample):
+        return f"  first sample: row 0 of the first dataset is not a usable sample ({first}); data.on_bad_sample decides"
+    return describe_prompts(first, cfg.prompts)
 
 
 def describe_lora(cfg: Config) -> str:
@@ -421,8 +442,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
+        try:  # the files, splits and columns, from the first rows of each split (seconds, not a full read)
+            data_lines, first = peek_data(cfg, with_eval=cfg.eval.every > 0)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
+        print("\n".join([*(f"  data check: {line}" for line in data_lines), describe_first_sample(first, cfg)]))
         print(describe_memory(cfg, args.world_size or process_world_size(), args.gpu_memory_gb or detected_device_gb()))
         return 0
     try:
