@@ -355,16 +355,20 @@ def rank_padding(cfg: Config, processor, sample, pad_id: int):
 
 
 def describe_plan(cfg: Config) -> str:
-    t, r = cfg.train, cfg.rollout
+    t, r, loss = cfg.train, cfg.rollout, build_loss(cfg.loss)
+    # A kind that neither samples nor asks a teacher (sft) uses the engine for evaluation only.
+    sampling = (f"up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}" if loss.on_policy
+                else f"no sampling (loss {cfg.loss.kind}); {'greedy evaluation only' if cfg.eval.every else 'unused'}")
+    teacher = f"teacher {cfg.teacher.mode}" if loss.needs_teacher else f"no teacher (loss {cfg.loss.kind})"
     return "\n".join([
         f"plan: {t.max_steps} optimizer steps x {cfg.prompts_per_step} prompts x {r.samples_per_prompt} samples "
         f"({t.grad_accum_steps} micro-steps of {cfg.micro_batch_size} sequences)",
         f"  model {cfg.model.path} ({cfg.model.dtype}{', built if missing: ' + cfg.model.build if cfg.model.build else ''})",
-        f"  rollout engine {r.engine}: up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}",
+        f"  rollout engine {r.engine}: {sampling}",
         f"  {describe_lora(cfg)}",
-        f"  teacher {cfg.teacher.mode}; privileged {'+'.join(cfg.prompts.privileged)}"
+        f"  {teacher}; privileged {'+'.join(cfg.prompts.privileged)}"
         f"{f' ({cfg.prompts.noise} noise ablation)' if cfg.prompts.noise != 'off' else ''}",
-        f"  loss {cfg.loss.kind}: {build_loss(cfg.loss).describe()}",
+        f"  loss {cfg.loss.kind}: {loss.describe()}",
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})"
         + (f"\n  {warning}" if (warning := warmup_warning(cfg.optim, t.max_steps)) else ""),
         f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
