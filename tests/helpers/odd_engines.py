@@ -44,13 +44,11 @@ class OtherPromptEngine:
         self.inner.close()
 
 
-class EngineLostAtThirdRollout:
-    """The transformers engine, lost (as a rollout server that died) at its third `generate`."""
+class EngineLostAtThirdRollout(OtherPromptEngine):
+    """The transformers engine (OtherPromptEngine's wrapping, its own prompts), lost at its third
+    `generate` as a rollout server that died."""
 
-    def __init__(self, *, cfg, model_path, processor):
-        self.inner = builtin_engine(cfg, model_path, processor, "hf")
-        self.capabilities = self.inner.capabilities
-        self.rollouts = 0
+    rollouts = 0
 
     def generate(self, prompts, sampling):
         from opsd.rollout import EngineLost
@@ -59,15 +57,3 @@ class EngineLostAtThirdRollout:
         if self.rollouts == 3:
             raise EngineLost("rollout server http://127.0.0.1:1 stopped answering: /health failed (a test)")
         return self.inner.generate(prompts, sampling)
-
-    def begin_weight_update(self):
-        self.inner.begin_weight_update()
-
-    def receive_weights(self, bucket):
-        self.inner.receive_weights(bucket)
-
-    def end_weight_update(self):
-        self.inner.end_weight_update()
-
-    def close(self):
-        self.inner.close()
