@@ -37,7 +37,7 @@ GROUPS = {  # group: module prefixes
     "evaluation": ["opsd.evaluation"],
     "pipeline": ["opsd.pipeline"],
     "dumps": ["opsd.dumps", "opsd.rollouts"],
-    "cli": ["opsd.export", "opsd.check"],
+    "cli": ["opsd.export", "opsd.check", "opsd.evaluate"],
     "recipe": ["opsd.train"],
     "package": ["opsd"],
 }
