@@ -56,7 +56,7 @@ def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir, mon
 
 
 @pytest.mark.slow
-def test_cli_trains_the_demo_config_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir):
+def test_cli_trains_the_demo_config_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
     """The entry point of `python -m opsd.train` (main, argv), on the HF engine with the tinker loss: one
     run for both (they were two runs of the same path)."""
     out = tmp_path / "cli"
@@ -69,6 +69,12 @@ def test_cli_trains_the_demo_config_with_hf_engine_and_tinker_loss(tmp_path, tin
     records = read_metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert (out / "summary.json").is_file()
+    # The plan shows the first row's prompts; every evaluation files what it answered, item by item.
+    assert "  first sample 'grid-s0-00000', before the chat template:" in capsys.readouterr().out
+    evaluations = [r["step"] for r in records if "eval/accuracy" in r]
+    assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s}.jsonl" for s in evaluations]
+    first = json.loads((out / "eval" / "step_0.jsonl").read_text().splitlines()[0])
+    assert first.keys() == {"id", "role", "completion", "answer", "reference", "correct"} and first["role"] == "student"
     records = records[1:]  # after the step-0 evaluation
     assert all(math.isfinite(r["loss"]) and r["logprob_mismatch_max"] < 1e-3 for r in records)
     # The distillation term is named for what it is: tinker's per-token loss, not a JSD; tinker neither
