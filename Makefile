@@ -16,12 +16,13 @@ demo: $(ENV_STAMP)
 	$(PYTHON) -m opsd.train --config configs/demo.yaml
 
 # Everything: tests/unit and tests/integration (real vLLM engines, training runs, torchrun). CI runs this.
+# Budget: 8 minutes on 2 idle cores; each target ends with its 20 slowest tests (docs/development.md).
 test: $(ENV_STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=20
 
-# The unit tier: no engine run, no extra processes; under two minutes on 2 cores.
+# The unit tier: no engine run, no training run, no torchrun; budget 60 s on 2 idle cores.
 test-fast: $(ENV_STAMP)
-	$(PYTHON) -m pytest -q tests/unit
+	$(PYTHON) -m pytest -q --durations=20 tests/unit
 
 bench: $(ENV_STAMP)
 	$(PYTHON) bench/loss_memory.py

@@ -24,8 +24,9 @@ from pathlib import Path
 from opsd.config import EvalConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.device import process_rank
-from opsd.prompts import Prompt, placeholder_token_ids, student_prompt, teacher_prompt
-from opsd.rollout.engine import SamplingSettings
+from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
+from opsd.retention import RetentionProbe
+from opsd.rollout.engine import SamplingSettings, generate_once
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
@@ -84,22 +85,6 @@ def eval_due(step: int, cfg: EvalConfig, max_steps: int) -> bool:
     return cfg.every > 0 and (step % cfg.every == 0 or step == max_steps)
 
 
-def generate_once(prompt_lists: list[list[Prompt]], engine, settings: SamplingSettings) -> list[list[str]]:
-    """Completions of several prompt lists from one engine call (one batch keeps the engine busy),
-    each distinct prompt generated once (without privileged information the teacher's prompt is the
-    student's); the texts come back in the lists' shape."""
-    def key(prompt: Prompt) -> tuple:
-        return (prompt.text, *map(id, prompt.images))
-
-    distinct = {key(p): p for prompts in prompt_lists for p in prompts}
-    keys = list(distinct)
-    # A tensor-parallel engine samples as a group: every rank of it calls, even with nothing to ask.
-    collective = engine.capabilities.generate_is_collective
-    completions = engine.generate(list(distinct.values()), settings) if distinct or collective else []
-    text_of = {keys[c.prompt_index]: c.text for c in completions}
-    return [[text_of[key(p)] for p in prompts] for prompts in prompt_lists]
-
-
 def evaluate(engine, samples: list[Sample], processor, prompt_cfg: PromptConfig, cfg: EvalConfig, ranks=None,
              records: list[dict] | None = None) -> dict:
     """`eval/accuracy` and `eval/answered` (share of completions with an extractable answer), and the
@@ -148,7 +133,6 @@ class Evaluator:
 
     def __init__(self, cfg, processor, *, check=None, multimodal: bool = True, output_dir: str | Path | None = None):
         from opsd.data.dataset import split_samples
-        from opsd.retention import RetentionProbe
 
         self.samples, counts = split_samples(cfg, cfg.eval.num_samples, split="eval", check=check, multimodal=multimodal)
         self.data_counts = {f"data/eval_{key}": n for key, n in sorted(counts.items())}

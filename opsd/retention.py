@@ -27,10 +27,9 @@ import torch
 from opsd.config import ConfigError, PromptConfig, RetentionConfig
 from opsd.data.retention_questions import answered_right, load_questions
 from opsd.data.sample import Sample
-from opsd.evaluation import generate_once
 from opsd.loss import token_logprobs
 from opsd.prompts import Prompt, placeholder_token_ids, student_prompt
-from opsd.rollout.engine import SamplingSettings
+from opsd.rollout.engine import SamplingSettings, generate_once
 from opsd.scoring import autocast, completion_logits
 from opsd.sequences import EncodedPrompt, collate
 

@@ -6,6 +6,10 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One torch thread in the tests and the runs they start: the tiny models' ops are too small to share,
+# and a second OpenMP thread per process only waits for the other (2 cores, several processes; under
+# load a step took 20x the CPU time with two threads). Set before torch is imported, which reads it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

@@ -58,6 +58,22 @@ def sampling_settings(cfg: Config, step: int, processor, first_prompt: int = 0) 
     )
 
 
+def generate_once(prompt_lists: list[list[Prompt]], engine, settings: SamplingSettings) -> list[list[str]]:
+    """Completions of several prompt lists from one engine call (one batch keeps the engine busy),
+    each distinct prompt generated once (without privileged information the teacher's prompt is the
+    student's); the texts come back in the lists' shape."""
+    def key(prompt: Prompt) -> tuple:
+        return (prompt.text, *map(id, prompt.images))
+
+    distinct = {key(p): p for prompts in prompt_lists for p in prompts}
+    keys = list(distinct)
+    # A tensor-parallel engine samples as a group: every rank of it calls, even with nothing to ask.
+    collective = engine.capabilities.generate_is_collective
+    completions = engine.generate(list(distinct.values()), settings) if distinct or collective else []
+    text_of = {keys[c.prompt_index]: c.text for c in completions}
+    return [[text_of[key(p)] for p in prompts] for prompts in prompt_lists]
+
+
 @dataclass
 class Completion:
     prompt_index: int

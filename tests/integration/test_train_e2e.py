@@ -56,17 +56,26 @@ def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir, mon
 
 
 @pytest.mark.slow
-def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
-    cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "loss={kind: tinker}", "teacher.mode=fixed")
-    output_dir = train(cfg)
-    records = read_metrics(output_dir)[1:]  # after the step-0 evaluation
-    assert len(records) == 3
+def test_cli_trains_the_demo_config_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
+    """The entry point of `python -m opsd.train` (main, argv), on the HF engine with the tinker loss: one
+    run for both (they were two runs of the same path)."""
+    out = tmp_path / "cli"
+    args = [
+        "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
+        f"logging.output_dir={out}", "logging.progress_bar=false", "train.max_steps=3", "rollout.max_new_tokens=16",
+        "rollout.engine=hf", "loss={kind: tinker}", "teacher.mode=fixed",
+    ]
+    assert main(args) == 0
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert (out / "summary.json").is_file()
     # The plan shows the first row's prompts; every evaluation files what it answered, item by item.
     assert "  first sample 'grid-s0-00000', before the chat template:" in capsys.readouterr().out
-    evaluations = [r["step"] for r in read_metrics(output_dir) if "eval/accuracy" in r]
-    assert sorted(p.name for p in (output_dir / "eval").iterdir()) == [f"step_{s}.jsonl" for s in evaluations]
-    first = json.loads((output_dir / "eval" / "step_0.jsonl").read_text().splitlines()[0])
+    evaluations = [r["step"] for r in records if "eval/accuracy" in r]
+    assert sorted(p.name for p in (out / "eval").iterdir()) == [f"step_{s}.jsonl" for s in evaluations]
+    first = json.loads((out / "eval" / "step_0.jsonl").read_text().splitlines()[0])
     assert first.keys() == {"id", "role", "completion", "answer", "reference", "correct"} and first["role"] == "student"
+    records = records[1:]  # after the step-0 evaluation
     assert all(math.isfinite(r["loss"]) and r["logprob_mismatch_max"] < 1e-3 for r in records)
     # The distillation term is named for what it is: tinker's per-token loss, not a JSD; tinker neither
     # keeps a top-k nor clips, so those guardrails are not logged for it.
@@ -85,18 +94,6 @@ def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, gr
     records = read_metrics(train(cfg))[1:]  # after the step-0 evaluation
     assert records[0]["logprob_mismatch_max"] < 1e-3
     assert records[-1]["logprob_mismatch_max"] > 1e-2
-
-
-@pytest.mark.slow
-def test_cli_entry_point(tmp_path, tiny_vlm_dir, grid_data_dir):
-    args = [
-        "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
-        f"logging.output_dir={tmp_path / 'cli'}", "train.max_steps=1", "rollout.engine=hf",
-        "rollout.max_new_tokens=8", "logging.progress_bar=false",
-    ]
-    assert main(args) == 0
-    assert [r["step"] for r in read_metrics(tmp_path / "cli")] == [0, 1]
-    assert (tmp_path / "cli" / "summary.json").is_file()
 
 
 def test_a_skipped_step_keeps_the_schedule_and_the_ema_on_the_step_count(tmp_path, tiny_vlm_dir, grid_data_dir, monkeypatch):
