@@ -338,6 +338,12 @@ class JsdLossConfig:
     """Weight of the JSD term in the loss."""
     ce_weight: NonNegative = 0.0
     """Weight of cross-entropy on the sampled completion tokens."""
+    reward_weight: NonNegative = 0.0
+    """Weight of a GRPO term (`loss.kind: grpo`'s policy gradient on the `reward` section's
+    group-relative advantages) added to this kind's loss: distillation plus a verifier. 0 (default)
+    = no reward term, the loss bit for bit as without it. Needs a `reward` section."""
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """With `reward_weight > 0`: the GRPO term's PPO clip of the importance ratio to [1 - clip_eps, 1 + clip_eps]."""
     chunk_size: Annotated[int, Field(gt=0)] = 1024
     """Completion tokens processed at once in the loss: bounds its float32 [chunk, vocabulary] memory."""
 
@@ -356,6 +362,12 @@ class TinkerLossConfig:
     """Weight of the tinker term in the loss."""
     ce_weight: NonNegative = 0.0
     """Weight of cross-entropy on the sampled completion tokens."""
+    reward_weight: NonNegative = 0.0
+    """Weight of a GRPO term (`loss.kind: grpo`'s policy gradient on the `reward` section's
+    group-relative advantages) added to this kind's loss: distillation plus a verifier. 0 (default)
+    = no reward term, the loss bit for bit as without it. Needs a `reward` section."""
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """With `reward_weight > 0`: the GRPO term's PPO clip of the importance ratio to [1 - clip_eps, 1 + clip_eps]."""
 
 
 @dataclass(config=_STRICT)
@@ -369,7 +381,27 @@ class SftLossConfig:
     """Weight of the cross-entropy (it is the whole loss)."""
 
 
-LOSS_CONFIGS = {"jsd": JsdLossConfig, "tinker": TinkerLossConfig, "sft": SftLossConfig}
+@dataclass(config=_STRICT)
+class GrpoLossConfig:
+    """`loss.kind: grpo`, reinforcement learning from the `reward` section's rewards, no teacher: each
+    prompt's `rollout.samples_per_prompt` completions get group-relative advantages (reward minus the
+    group's mean, divided by its std unless `reward.scale_by_std: false`), and each sampled token the
+    PPO-clipped policy gradient -min(r A, clip(r, 1 - eps, 1 + eps) A), r the ratio of the student's
+    probability to the sampler's. Its value is a surrogate: it can be negative."""
+
+    kind: Literal["grpo"] = "grpo"
+    """Selects this section (`grpo`)."""
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """PPO clip: the importance ratio counts within [1 - clip_eps, 1 + clip_eps] where clipping lowers the objective."""
+    kl_weight: NonNegative = 0.0
+    """Weight of a KL penalty to the initial weights (the k3 estimator on each sampled token, the
+    frozen start weights scoring the student's prompt); 0 (default) = off, no second forward.
+    Above 0 it needs `teacher.mode: fixed` or `base` (the frozen start weights)."""
+    ce_weight: NonNegative = 0.0
+    """Weight of cross-entropy on the sampled completion tokens."""
+
+
+LOSS_CONFIGS = {"jsd": JsdLossConfig, "tinker": TinkerLossConfig, "sft": SftLossConfig, "grpo": GrpoLossConfig}
 """`loss.kind` -> its section; a section holds only the settings its kind uses."""
 RENAMED_LOSS_KEYS = {("tinker", "jsd_weight"): "tinker_weight"}
 """(kind, former key) -> the key's name in that kind's section."""
@@ -383,7 +415,8 @@ def _loss_kind(section: Any) -> str | None:
 
 
 LossConfig = Annotated[
-    Annotated[JsdLossConfig, Tag("jsd")] | Annotated[TinkerLossConfig, Tag("tinker")] | Annotated[SftLossConfig, Tag("sft")],
+    Annotated[JsdLossConfig, Tag("jsd")] | Annotated[TinkerLossConfig, Tag("tinker")] | Annotated[SftLossConfig, Tag("sft")]
+    | Annotated[GrpoLossConfig, Tag("grpo")],
     Discriminator(_loss_kind, custom_error_type="loss_kind", custom_error_message=f"must be one of {', '.join(LOSS_CONFIGS)}"),
 ]
 """The `loss` section: one of the kinds' sections, chosen by its `kind` (default `jsd`)."""
@@ -400,6 +433,60 @@ def loss_key_hint(kind: str, key: str) -> str:
         return f"loss.kind={kind} has no {key}; it takes {takes}"
     return (f"a setting of loss.kind={'/'.join(owners)}, not of {kind}, which takes {takes}; to switch kinds "
             f"from the command line, replace the section: 'loss={{kind: {kind}}}'")
+
+
+REWARD_BUILTINS = ("answer_match", "answer_format", "answer_contains")
+"""The built-in reward functions (opsd/rewards.py): `answer_match` 1 when the completion's answer (the
+last match of `reward.answer_pattern`) equals the sample's reference answer after evaluation's
+normalisation, else 0; `answer_format` 1 when the completion has an answer at all; `answer_contains`
+1 when the reference answer appears in the completion as a whole word (case aside)."""
+REWARD_IMPORT_PATH = ENGINE_IMPORT_PATH
+
+
+@dataclass(config=_STRICT)
+class RewardFunctionConfig:
+    """One reward function and its weight; a completion's reward is the weighted sum of all."""
+
+    name: str
+    """A built-in (`REWARD_BUILTINS`) or an import path `package.module:function`, called as
+    `function(sample, text, token_ids) -> float` (the `opsd.data.sample.Sample`, the completion's text
+    and its sampled token ids)."""
+    weight: float = 1.0
+    """Weight of this function in the sum."""
+
+    @field_validator("name")
+    @classmethod
+    def _builtin_or_import_path(cls, name: str) -> str:
+        if name in REWARD_BUILTINS or REWARD_IMPORT_PATH.match(name):
+            return name
+        raise ValueError(f"must be one of {', '.join(REWARD_BUILTINS)} or an import path 'package.module:function'")
+
+
+@dataclass(config=_STRICT)
+class RewardConfig:
+    """Rewards of sampled completions (docs/training.md, Rewards): every completion gets one, each step
+    logs them (`reward/*`); `loss.kind: grpo` trains on them, `loss.reward_weight` adds them to a
+    distillation kind."""
+
+    functions: Annotated[list[RewardFunctionConfig], Field(min_length=1)] = dataclasses.field(
+        default_factory=lambda: [RewardFunctionConfig("answer_match")]
+    )
+    """The reward functions, summed with their weights."""
+    answer_pattern: str | None = None
+    """Regex of the built-ins' answer (last match, group 1 if any); None = `eval.answer_pattern`."""
+    scale_by_std: bool = True
+    """Divide each group's centred rewards by the group's standard deviation (GRPO); false = only
+    subtract the group mean (Dr. GRPO)."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"not a valid regular expression: {err}") from None
+        return pattern
 
 
 TEACHER_MODES = ("self", "ema", "fixed", "base")
@@ -674,6 +761,8 @@ class Config:
     """Saving, rotation and resuming."""
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     """FSDP2 under torchrun."""
+    reward: RewardConfig | None = None
+    """Reward functions of the sampled completions (`loss.kind: grpo`, `loss.reward_weight`); None = no rewards."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -705,6 +794,14 @@ class Config:
         if self.model.freeze_vision and lora is not None and lora.vision_target_modules:
             raise ValueError("model.freeze_vision=true and model.lora.vision_target_modules ask for a frozen vision "
                              "tower with adapters on it: drop one")
+        rewarded = isinstance(self.loss, GrpoLossConfig) or getattr(self.loss, "reward_weight", 0) > 0
+        if rewarded and self.reward is None:
+            raise ValueError(f"loss.kind={self.loss.kind} trains on rewards: add a reward section (e.g. 'reward={{}}' for answer_match)")
+        if rewarded and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"loss.kind={self.loss.kind} with rewards compares each prompt's samples: "
+                             f"rollout.samples_per_prompt must be >= 2 (got {self.rollout.samples_per_prompt})")
+        if isinstance(self.loss, GrpoLossConfig) and self.loss.kl_weight > 0 and self.teacher.mode not in ("fixed", "base"):
+            raise ValueError("loss.kl_weight > 0 is a KL to the initial weights: set teacher.mode=fixed or base")
         if isinstance(self.loss, SftLossConfig) and "text" not in self.prompts.privileged:
             raise ValueError("loss.kind=sft trains on the privileged text: prompts.privileged must hold text")
         return self

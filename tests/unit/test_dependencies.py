@@ -1,7 +1,8 @@
 """Imports run one way (docs/development.md, "Layout"): a module imports only from the layers its own may use.
 
     config <- data <- prompts <- sequences <- scoring <- teacher <- trainer <- train (the recipe)
-    loss, device: leaves (tensor math; where the process runs), importable from any layer
+    loss, device, answers: leaves (tensor math; where the process runs; answer matching), importable from any layer
+    rewards (reward functions, advantages): config, data; imported by the recipe
     loss_kinds (the loss objects): config only, imported from scoring up
     models (modeling, tiny_models, convert_smollm2, smollm2_vlm, vl_processor, lora): config and prompts
     rollout: prompts and below, models; evaluation (and retention): rollout, prompts, sequences, scoring
@@ -21,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GROUPS = {  # group: module prefixes
     "config": ["opsd.config"],
     "loss": ["opsd.loss"],
+    "answers": ["opsd.answers"],
+    "rewards": ["opsd.rewards"],
     "loss_kinds": ["opsd.loss_kinds"],
     "device": ["opsd.device"],
     "data": ["opsd.data"],
@@ -39,13 +42,15 @@ GROUPS = {  # group: module prefixes
     "recipe": ["opsd.train"],
     "package": ["opsd"],
 }
-LEAVES = {"loss", "device", "package"}
+LEAVES = {"loss", "device", "answers", "package"}
 MAY_IMPORT = {  # group: the groups (or module prefixes) it may import, besides itself and the leaves
     "config": set(),
     "loss": set(),
     "device": set(),
     "package": set(),
+    "answers": set(),
     "data": {"config"},
+    "rewards": {"config", "data"},
     "loss_kinds": {"config"},
     "prompts": {"config", "data"},
     "sequences": {"config", "data", "prompts"},
