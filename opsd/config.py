@@ -189,7 +189,9 @@ class DataConfig:
     @model_validator(mode="after")
     def _check_one_source(self) -> "DataConfig":
         if (self.path is None) == (not self.datasets):
-            raise ValueError("give either data.path (one dataset directory) or data.datasets, not both or neither")
+            raise ValueError("give either data.path (one dataset directory, with data.synthetic to generate it) or "
+                             "data.datasets, not both or neither: to use data.datasets over a config with data.path, "
+                             "also set data.path=null data.synthetic=null")
         if self.synthetic is not None and self.path is None:
             raise ValueError("data.synthetic goes with data.path; in data.datasets, set synthetic per dataset")
         return self
@@ -522,13 +524,14 @@ class OptimConfig:
     """AdamW with a linear warm-up, then a cosine decay to `min_lr` or a constant rate."""
 
     lr: Positive = 1e-5
-    """Peak learning rate, reached after `warmup_steps`."""
+    """Peak learning rate, reached at step `warmup_steps` (at step 1 without a warm-up)."""
     min_lr: NonNegative = 1e-7
     """Learning rate at `train.max_steps` for the cosine schedule (at most `lr`)."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """After the warm-up: `cosine` decay to `min_lr`, or `constant` at `lr`."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
-    """Optimizer steps of linear warm-up from 0 to `lr`."""
+    """Optimizer steps of linear warm-up: step s of them trains at `lr * s / warmup_steps` (step 1
+    above 0), the last at `lr`; the plan warns when `train.max_steps` does not go past them."""
     betas: tuple[Probability, Probability] = (0.9, 0.95)
     """AdamW's moment decay rates."""
     eps: Positive = 1e-15
@@ -830,19 +833,27 @@ def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key, msg, value = _located(e)
-        shown = e["type"] != "missing" and not isinstance(value, dict)
+        shown = e["type"] != "missing" and not (isinstance(value, dict) and len(repr(value)) > 80)  # not a whole section
         lines.append(f"{key}: {msg}" + (f" (got {value!r})" if shown else ""))
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], value parsed as a YAML scalar)."""
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML). A mapping is written in flow style
+    (`loss={kind: sft}`); a value YAML would read as a block mapping (`Fact:`, `Note: x`), or cannot
+    read, is the text."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r} has an empty key part")
-    return key.split("."), yaml.safe_load(raw) if raw else ""
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:  # `Note: a: b`: no YAML value, so the text (a bad value is then shown with it)
+        value = raw
+    if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+        value = raw
+    return key.split("."), value
 
 
 def _list_index(node: list, part: str, item: str) -> int:
@@ -851,8 +862,24 @@ def _list_index(node: list, part: str, item: str) -> int:
     return int(part)
 
 
+DATA_SOURCES = {("data", "path"): [("data", "datasets")], ("data", "datasets"): [("data", "path"), ("data", "synthetic")]}
+"""An override naming the data one way replaces the file's other way (`data.datasets=[...]` over a
+config with `data.path` and `data.synthetic` drops both), unless the same command line sets it too."""
+
+
+def _replace_data_source(raw: dict, overrides: list[str]) -> None:
+    keys = {tuple(parse_override(item)[0]) for item in overrides}
+    data = raw.get("data")
+    for key, others in DATA_SOURCES.items():
+        if key in keys and isinstance(data, dict):
+            for other in others:
+                if other not in keys:
+                    data.pop(other[1], None)
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Set each `a.b.c=value`; a number indexes a list (`data.datasets.0.path=...`)."""
+    _replace_data_source(raw, overrides)
     for item in overrides:
         path, value = parse_override(item)
         node = raw

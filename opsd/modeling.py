@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,6 +11,29 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from opsd.config import ConfigError, ModelConfig
 from opsd.prompts import is_multimodal, tokenizer_of
 from opsd.vl_processor import load_image_only_processor
+
+
+class DefaultConfigWarning(logging.Filter):
+    """Drops transformers' warning about a config it builds itself: to save, print or compare any
+    Idefics3 config it diffs it against a default `Idefics3Config()` (`to_diff_dict`), whose
+    pad_token_id 128002 lies outside the default Llama vocabulary of 32000, so every load of an
+    Idefics3 model (the tiny VLM, SmolVLM), `--dry-run` included, warned about a config that is not
+    the user's. The same warning about a loaded config (another id or vocabulary) still shows."""
+
+    MESSAGE = "Model config: pad_token_id must be `None` or an integer within the vocabulary (between 0 and 31999), got 128002."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.MESSAGE)
+
+
+def quiet_default_config_warning() -> None:
+    """Install `DefaultConfigWarning` on the transformers logger that emits it (once per process)."""
+    logger = logging.getLogger("transformers.configuration_utils")
+    if not any(isinstance(f, DefaultConfigWarning) for f in logger.filters):
+        logger.addFilter(DefaultConfigWarning())
+
+
+quiet_default_config_warning()  # at import: the warning comes from transformers' own default instance
 
 
 def prepare_model_dir(cfg: ModelConfig) -> str:

@@ -27,8 +27,9 @@ import yaml
 from tqdm.auto import tqdm
 
 from opsd.config import Config, ConfigError, config_to_dict, load_config
-from opsd.data.dataset import describe_data, train_stream
-from opsd.data.errors import BadSampleError
+from opsd.data.dataset import describe_data, peek_data, train_stream
+from opsd.data.errors import BadSample, BadSampleError
+from opsd.data.sample import Sample
 from opsd.data.stream import SampleStream
 from opsd.device import process_rank, process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
@@ -39,7 +40,7 @@ from opsd.modeling import (
     empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir, vision_parameter_names,
 )
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
-from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
+from opsd.prompts import describe_prompts, is_multimodal, student_prompt, teacher_prompt
 from opsd.rewards import RewardError, Rewards, reward_metrics
 from opsd.rollout import RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
@@ -53,7 +54,7 @@ from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
-from opsd.trainer.optim import build_optimizer, build_scheduler
+from opsd.trainer.optim import build_optimizer, build_scheduler, warmup_warning
 from opsd.trainer.rng import seed_everything
 from opsd.trainer.step import TrainStep
 from opsd.trainer.stop import EXIT_STOPPED, RunStopped, StepStart, StopRequest, signal_name, stop_on_signals
@@ -179,6 +180,8 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     # Datasets are opened (and checked against the config) before any weights are loaded.
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor), sharded=ranks.enabled)
+    if ranks.is_main:
+        print(describe_first_sample(first_row(stream), cfg), flush=True)
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     rewards = Rewards.from_config(cfg.reward, cfg.eval.answer_pattern) if cfg.reward else None  # imports resolved here
     with native_output_to_log(None if cfg.logging.verbose else log_file):
@@ -363,22 +366,28 @@ def rank_padding(cfg: Config, processor, sample, pad_id: int):
 
 
 def describe_plan(cfg: Config) -> str:
-    t, r = cfg.train, cfg.rollout
+    t, r, loss = cfg.train, cfg.rollout, build_loss(cfg.loss)
+    # A kind that neither samples nor asks a teacher (sft) uses the engine for evaluation only.
+    sampling = (f"up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}" if loss.on_policy
+                else f"no sampling (loss {cfg.loss.kind}); {'greedy evaluation only' if cfg.eval.every else 'unused'}")
+    teacher = f"teacher {cfg.teacher.mode}" if loss.needs_teacher else f"no teacher (loss {cfg.loss.kind})"
     return "\n".join([
         f"plan: {t.max_steps} optimizer steps x {cfg.prompts_per_step} prompts x {r.samples_per_prompt} samples "
         f"({t.grad_accum_steps} micro-steps of {cfg.micro_batch_size} sequences)",
         f"  model {cfg.model.path} ({cfg.model.dtype}{', built if missing: ' + cfg.model.build if cfg.model.build else ''})",
-        f"  rollout engine {r.engine}: up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}",
+        f"  rollout engine {r.engine}: {sampling}",
         f"  {describe_lora(cfg)}",
-        f"  teacher {cfg.teacher.mode}; privileged {'+'.join(cfg.prompts.privileged)}"
+        f"  {teacher}; privileged {'+'.join(cfg.prompts.privileged)}"
         f"{f' ({cfg.prompts.noise} noise ablation)' if cfg.prompts.noise != 'off' else ''}",
-        f"  loss {cfg.loss.kind}: {build_loss(cfg.loss).describe()}",
+        f"  loss {cfg.loss.kind}: {loss.describe()}",
         *([f"  reward: {' + '.join(f'{f.weight:g} x {f.name}' for f in cfg.reward.functions)}"
            f"{'' if cfg.reward.scale_by_std else ' (advantages not divided by the group std)'}"] if cfg.reward else []),
-        f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
+        f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})"
+        + (f"\n  {warning}" if (warning := warmup_warning(cfg.optim, t.max_steps)) else ""),
         f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
         f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"
-        f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}",
+        f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}"
+        f"{f', answer pattern {cfg.eval.answer_pattern}' if cfg.eval.every else ''}",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
         f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
         f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
@@ -386,6 +395,23 @@ def describe_plan(cfg: Config) -> str:
         f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
         f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
     ])
+
+
+def first_row(stream: SampleStream) -> Sample | BadSample:
+    """Row 0 of the first dataset's first file, the sample `--dry-run` shows too."""
+    try:
+        return stream.sources[0].sample(0)
+    except BadSample as bad:
+        return bad
+
+
+def describe_first_sample(first: Sample | BadSample | None, cfg: Config) -> str:
+    """The plan's view of the prompts: the first row's student and teacher prompts."""
+    if first is None:
+        return "  first sample: not shown, the data is not here yet (the run shows it at start)"
+    if isinstance(first, BadSample):
+        return f"  first sample: row 0 of the first dataset is not a usable sample ({first}); data.on_bad_sample decides"
+    return describe_prompts(first, cfg.prompts)
 
 
 def describe_lora(cfg: Config) -> str:
@@ -433,8 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
+        try:  # the files, splits and columns, from the first rows of each split (seconds, not a full read)
+            data_lines, first = peek_data(cfg, with_eval=cfg.eval.every > 0)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
+        print("\n".join([*(f"  data check: {line}" for line in data_lines), describe_first_sample(first, cfg)]))
         print(describe_memory(cfg, args.world_size or process_world_size(), args.gpu_memory_gb or detected_device_gb()))
         return 0
     try:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
-from transformers.optimization import (
-    get_constant_schedule_with_warmup,
-    get_cosine_with_min_lr_schedule_with_warmup,
-)
 
 from opsd.config import OptimConfig
 
@@ -23,7 +21,34 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Ada
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
 
 
-def build_scheduler(cfg: OptimConfig, optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_factor(cfg: OptimConfig, max_steps: int, step: int) -> float:
+    """The share of `lr` that optimizer step `step` (1, 2, ...) trains at.
+
+    Warm-up: step s of `warmup_steps` W trains at s/W, so step 1 already moves (a warm-up from 0
+    would waste it) and step W is at the peak. `cosine` then decays from the peak at step max(W, 1)
+    to `min_lr` at `max_steps`; `constant` stays at the peak.
+    """
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return step / warmup
     if cfg.schedule == "constant":
-        return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
-    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, max_steps, min_lr=cfg.min_lr)
+        return 1.0
+    peak_step = max(warmup, 1)
+    progress = min(1.0, (step - peak_step) / max(1, max_steps - peak_step))
+    floor = cfg.min_lr / cfg.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: OptimConfig, optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """`lr_factor` of the step to come: before step 1 the scheduler has been stepped 0 times."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(cfg, max_steps, done + 1))
+
+
+def warmup_warning(cfg: OptimConfig, max_steps: int) -> str | None:
+    """A plan line when the run ends inside its warm-up, or with it: the peak rate is reached late or never."""
+    if cfg.warmup_steps < max_steps:
+        return None
+    last = cfg.lr * lr_factor(cfg, max_steps, max_steps)
+    reach = "only at its last step" if cfg.warmup_steps == max_steps else f"never (the last step trains at lr {last:.3g})"
+    return (f"WARNING: optim.warmup_steps={cfg.warmup_steps} with train.max_steps={max_steps}: the peak lr "
+            f"{cfg.lr} is reached {reach}; lower optim.warmup_steps for a short run")
