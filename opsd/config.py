@@ -242,6 +242,13 @@ class PromptConfig:
 
 
 BUILTIN_ENGINES = ("vllm", "hf", "server")
+def builtin_or_import_path(value: str, builtins, what: str) -> str:
+    """`value` when it is one of `builtins` or an import path `package.module:Name`, else a ValueError."""
+    if value in builtins or ENGINE_IMPORT_PATH.match(value):
+        return value
+    raise ValueError(f"must be one of {', '.join(builtins)} or an import path 'package.module:{what}'")
+
+
 ENGINE_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -320,9 +327,7 @@ class RolloutConfig:
     @field_validator("engine")
     @classmethod
     def _engine_name_or_import_path(cls, engine: str) -> str:
-        if engine in BUILTIN_ENGINES or ENGINE_IMPORT_PATH.match(engine):
-            return engine
-        raise ValueError(f"must be one of {', '.join(BUILTIN_ENGINES)} or an import path 'package.module:ClassName'")
+        return builtin_or_import_path(engine, BUILTIN_ENGINES, "ClassName")
 
 
 @dataclass(config=_STRICT)
@@ -448,7 +453,6 @@ REWARD_BUILTINS = ("answer_match", "answer_format", "answer_contains")
 last match of `reward.answer_pattern`) equals the sample's reference answer after evaluation's
 normalisation, else 0; `answer_format` 1 when the completion has an answer at all; `answer_contains`
 1 when the reference answer appears in the completion as a whole word (case aside)."""
-REWARD_IMPORT_PATH = ENGINE_IMPORT_PATH
 
 
 @dataclass(config=_STRICT)
@@ -465,9 +469,7 @@ class RewardFunctionConfig:
     @field_validator("name")
     @classmethod
     def _builtin_or_import_path(cls, name: str) -> str:
-        if name in REWARD_BUILTINS or REWARD_IMPORT_PATH.match(name):
-            return name
-        raise ValueError(f"must be one of {', '.join(REWARD_BUILTINS)} or an import path 'package.module:function'")
+        return builtin_or_import_path(name, REWARD_BUILTINS, "function")
 
 
 @dataclass(config=_STRICT)

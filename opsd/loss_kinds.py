@@ -81,10 +81,10 @@ def weighted_loss(loss: Loss, distill, ce, reward=None):
     return total
 
 
-def added_reward_term(cfg: JsdLossConfig | TinkerLossConfig, student_logits, sampled_ids, sampler_logprobs,
-                      advantages) -> Tensor:
-    """The GRPO term a distillation kind adds with `loss.reward_weight`: `grpo_loss` at its `clip_eps`."""
-    return grpo_loss(student_logits, sampled_ids, advantages, sampler_logprobs, clip_eps=cfg.clip_eps)
+def added_reward_term(loss: "JsdLoss | TinkerLoss", student_logits, sampled_ids, sampler_logprobs, advantages) -> Tensor:
+    """`reward_term` of the distillation kinds (the GRPO term they add with `loss.reward_weight`):
+    `grpo_loss` at their `clip_eps`."""
+    return grpo_loss(student_logits, sampled_ids, advantages, sampler_logprobs, clip_eps=loss.cfg.clip_eps)
 
 
 def describe_added_reward(cfg: JsdLossConfig | TinkerLossConfig) -> str:
@@ -102,17 +102,9 @@ class JsdLoss:
     needs_teacher: ClassVar[bool] = True
     guardrail_names: ClassVar[tuple[str, ...]] = ("teacher_topk_mass", "clip_fraction", "student_entropy")
     teacher_sees_privilege: ClassVar[bool] = True
-
-    @property
-    def reward_weight(self) -> float:
-        return self.cfg.reward_weight
-
-    @property
-    def needs_advantages(self) -> bool:
-        return self.cfg.reward_weight > 0
-
-    def reward_term(self, student_logits, sampled_ids, sampler_logprobs, advantages) -> Tensor:
-        return added_reward_term(self.cfg, student_logits, sampled_ids, sampler_logprobs, advantages)
+    reward_weight = property(lambda self: self.cfg.reward_weight)
+    needs_advantages = property(lambda self: self.cfg.reward_weight > 0)
+    reward_term = added_reward_term
 
     @property
     def weights(self) -> tuple[float, float]:
@@ -149,17 +141,9 @@ class TinkerLoss:
     needs_teacher: ClassVar[bool] = True
     guardrail_names: ClassVar[tuple[str, ...]] = ENTROPY_ONLY
     teacher_sees_privilege: ClassVar[bool] = True
-
-    @property
-    def reward_weight(self) -> float:
-        return self.cfg.reward_weight
-
-    @property
-    def needs_advantages(self) -> bool:
-        return self.cfg.reward_weight > 0
-
-    def reward_term(self, student_logits, sampled_ids, sampler_logprobs, advantages) -> Tensor:
-        return added_reward_term(self.cfg, student_logits, sampled_ids, sampler_logprobs, advantages)
+    reward_weight = property(lambda self: self.cfg.reward_weight)
+    needs_advantages = property(lambda self: self.cfg.reward_weight > 0)
+    reward_term = added_reward_term
 
     @property
     def weights(self) -> tuple[float, float]:
