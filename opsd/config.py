@@ -330,6 +330,10 @@ class RolloutConfig:
         return builtin_or_import_path(engine, BUILTIN_ENGINES, "ClassName")
 
 
+MAX_JSD_TEMPERATURE = 1.8e19
+"""The largest `loss.temperature` of `jsd` whose square (the term's scale) is finite in float32 (3.4e38)."""
+
+
 @dataclass(config=_STRICT)
 class JsdLossConfig:
     """`loss.kind: jsd`, the OPSD reference: the generalized JSD between the student's and the teacher's
@@ -340,7 +344,8 @@ class JsdLossConfig:
     beta: Probability = 0.5
     """0 = KL(teacher || student), 1 = KL(student || teacher), else generalized JSD."""
     temperature: Positive = 1.0
-    """Both distributions are softened by this temperature; the term is scaled by its square."""
+    """Both distributions are softened by this temperature; the term is scaled by its square (which
+    must be finite in float32: at most `MAX_JSD_TEMPERATURE`)."""
     top_k: Annotated[int, Field(ge=0)] = 256
     """Restrict to the teacher's top-k tokens, renormalised on both sides; 0 = full vocabulary."""
     token_clip: NonNegative = 0.05
@@ -359,6 +364,14 @@ class JsdLossConfig:
     """With `reward_weight > 0`: the GRPO term's PPO clip of the importance ratio to [1 - clip_eps, 1 + clip_eps]."""
     chunk_size: Annotated[int, Field(gt=0)] = 1024
     """Completion tokens processed at once in the loss: bounds its float32 [chunk, vocabulary] memory."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite_scale(cls, temperature: float) -> float:
+        if temperature > MAX_JSD_TEMPERATURE:
+            raise ValueError("cannot give a finite loss: the term is scaled by the temperature's "
+                             f"square, which overflows float32 above {MAX_JSD_TEMPERATURE:.3g}")
+        return temperature
 
 
 @dataclass(config=_STRICT)
@@ -563,6 +576,10 @@ class TrainConfig:
     to a short prompt, measure (bench/step_profile.py) or set false."""
     seed: int = 0
     """Seeds the data order, the sampling (per step and prompt) and the global RNGs."""
+    max_bad_steps: Annotated[int, Field(gt=0)] = 3
+    """Steps in a row whose loss or gradient norm is not finite (NaN, inf) before the run stops with
+    an error (status 2) and a checkpoint of the last good weights. Such a step is never applied: no
+    optimizer step, no teacher update, no weight sync (docs/faults.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's models live; `auto` = CUDA when available."""
 

@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 import warnings
-from contextlib import ExitStack, closing, suppress
+from contextlib import ExitStack, closing, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,17 +53,20 @@ from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
+from opsd.trainer.output_lock import OutputDirInUse, output_dir_lock
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
 from opsd.trainer.optim import build_optimizer, build_scheduler, warmup_warning
 from opsd.trainer.rng import seed_everything
-from opsd.trainer.step import TrainStep
+from opsd.trainer.step import NonFiniteStepsError, TrainStep
 from opsd.trainer.stop import EXIT_STOPPED, RunStopped, StepStart, StopRequest, signal_name, stop_on_signals
 from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
 
 
 def train(cfg: Config) -> Path:
     """Train to `train.max_steps`; raises `RunStopped` after a clean stop on a signal."""
-    with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file, \
+    # One run per output directory, taken before anything in it is touched (rank 0 holds it for the job).
+    lock = output_dir_lock(cfg.logging.output_dir) if process_rank() == 0 else nullcontext()
+    with lock, third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file, \
             stop_on_signals(announce=process_rank() == 0) as stop:
         run = start_run(cfg, log_file)
         try:
@@ -97,6 +100,11 @@ def train_steps(run: Run, stop: StopRequest) -> RunStopped | None:
         if trained.metrics is None:  # no rank has anything to train on: all ranks skipped the update together
             finish_step(run, step, {"skipped_step": 1, **trained.counts, "lr": lr, **timer.record()})
             continue
+        if trained.metrics.get("nonfinite_step"):  # not applied: the engine keeps the last good weights
+            finish_step(run, step, {**trained.metrics, **trained.counts, "lr": lr, **timer.record()})
+            check_bad_steps(run, step)
+            continue
+        run.bad_steps = 0
         with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
             sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
                                 exclude=run.frozen)
@@ -132,7 +140,7 @@ def training_stage(run: "Run", rollout: Rollout, step: int, timer: StageTimer) -
         run.engine.release_memory()
     with timer("train"):
         metrics = update_student(run, examples, step_tokens, recorder, rollout.samples[0], timer.part)
-        advance_schedules(run, timer.part)
+        advance_schedules(run, timer.part, teacher=not metrics.get("nonfinite_step"))
     return Trained(metrics, counts, examples, recorder)
 
 
@@ -163,6 +171,8 @@ class Run:
     last_step: int = 0
     """The last step finished (logged, saved when due)."""
     last_record: dict = field(default_factory=dict)
+    bad_steps: int = 0
+    """Steps in a row not applied for a non-finite loss or gradient norm (`train.max_bad_steps`)."""
     rewards: Rewards | None = None
     """The reward functions (`reward` section); None = no rewards."""
 
@@ -251,14 +261,39 @@ def update_student(run: Run, examples: list[Example], step_tokens: int, recorder
     return run.step(examples, step_tokens, padding, recorder.collect if recorder else None, timed)
 
 
-def advance_schedules(run: Run, timed: Timed = untimed) -> None:
+def advance_schedules(run: Run, timed: Timed = untimed, *, teacher: bool = True) -> None:
     """The LR schedule and the EMA teacher move one step on every step, the skipped ones included
-    (an EMA toward unchanged weights), so that both stay functions of the step count."""
+    (an EMA toward unchanged weights), so that both stay functions of the step count. A step that
+    was not applied (a non-finite loss, `teacher=False`) moves the schedule only."""
     with timed("lr_schedule"), warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
-    with timed("teacher_update"):
-        run.teacher.update(run.student)
+    if teacher:
+        with timed("teacher_update"):
+            run.teacher.update(run.student)
+
+
+def check_bad_steps(run: Run, step: int) -> None:
+    """After a step that was not applied: say so; `train.max_bad_steps` of them in a row stop the run
+    with a checkpoint of the last good weights (the bad steps changed nothing)."""
+    run.bad_steps += 1
+    limit, record = run.cfg.train.max_bad_steps, run.last_record
+    values = f"loss {record.get('loss')}, grad_norm {record.get('grad_norm')}"
+    if run.ranks.is_main:
+        tqdm.write(f"WARNING: step {step}: {values}: not finite, the update was not applied "
+                   f"({run.bad_steps} in a row; train.max_bad_steps={limit} stops the run)")
+    if run.bad_steps < limit:
+        return
+    checkpoints = run.checkpoints
+    if checkpoints.last_saved_step != step:
+        checkpoints.save(step, record)
+    first = step - run.bad_steps + 1
+    raise NonFiniteStepsError(
+        f"steps {first}-{step} had a non-finite loss or gradient norm ({values}) and were not applied: "
+        f"train.max_bad_steps={limit} in a row stops the run. checkpoint-{step} holds the weights after step "
+        f"{first - 1}; lower optim.lr (now {run.cfg.optim.lr:g}) or check the data, then continue with "
+        "checkpoint.resume_from=auto"
+    )
 
 
 def baseline_evaluation(run: Run) -> None:
@@ -475,9 +510,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return 0 if run_check(cfg) else 1
         train(cfg)
-    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, RewardError) as err:
+    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, NonFiniteStepsError, OutputDirInUse,
+            RewardError) as err:
         # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce,
-        # a failed save (the disk), a reward function that fails
+        # a failed save (the disk), a loss that stayed non-finite, an output directory in use, a
+        # reward function that fails
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RunStopped as stopped:  # the status tells the scheduler; the line tells the user

@@ -52,3 +52,18 @@ def warmup_warning(cfg: OptimConfig, max_steps: int) -> str | None:
     reach = "only at its last step" if cfg.warmup_steps == max_steps else f"never (the last step trains at lr {last:.3g})"
     return (f"WARNING: optim.warmup_steps={cfg.warmup_steps} with train.max_steps={max_steps}: the peak lr "
             f"{cfg.lr} is reached {reach}; lower optim.warmup_steps for a short run")
+
+
+def apply_on_resume(cfg: OptimConfig, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """After a resume has loaded the optimizer's and the schedule's state (which hold the settings of
+    the checkpoint's run): this run's `optim` settings replace them. The schedule was built from this
+    run's `optim` and `train.max_steps`; at the resumed step it gives the learning rate a fresh run of
+    these settings would use there (a larger `max_steps` continues that longer run's schedule). The
+    moments and the step count stay the checkpoint's; with unchanged settings nothing changes."""
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates

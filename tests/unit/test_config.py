@@ -102,6 +102,8 @@ def test_overrides_apply_and_parse_yaml_scalars():
         ("loss", {"kind": "tinker", "top_k": 8}, "loss.top_k: a setting of loss.kind=jsd, not of tinker"),
         ("loss", {"kind": "tinker", "jsd_weight": 1}, "loss.jsd_weight: loss.kind=tinker calls it loss.tinker_weight"),
         ("loss", {"kind": "sft", "ce_weight": 0}, "loss.ce_weight"),
+        ("loss", {"temperature": 1e30}, "loss.temperature: Value error, cannot give a finite loss"),
+        ("train", {"max_bad_steps": 0}, "train.max_bad_steps"),
         ("teacher", {"mode": "twin"}, "teacher.mode"),
         ("optim", {"lr": "fast"}, "optim.lr"),
         ("train", {"max_steps": 0}, "train.max_steps"),
