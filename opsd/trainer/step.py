@@ -146,7 +146,7 @@ def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, m
     if sums is not None:
         norm = full_value(grad_norm)
         checked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norm.device).reshape(())
-                               for v in (norm, sums.distill, sums.ce)])
+                               for v in (norm, sums.distill, sums.ce, sums.reward)])
         finite = bool(torch.isfinite(checked).all())  # one transfer to the host per step
         if ranks is not None and ranks.enabled:
             finite = ranks.max([0.0 if finite else 1.0])[0] == 0
