@@ -29,8 +29,9 @@ bench: $(ENV_STAMP)
 	$(PYTHON) bench/rollout_throughput.py
 	$(PYTHON) bench/weight_sync.py
 
-# Does the student learn, and what does it forget? SmolLM2 on fictional facts (text_facts) and on facts its
-# teacher only sees as pictures (visual: SmolLM2 with a vision tower built here): OPSD beside its controls and
-# SFT; JSON in runs/learn/report.json, a PNG per task in runs/learn/<task>/.
+# Does the student learn, and what does it forget? SmolLM2 on fictional facts (text_facts), on facts its
+# teacher only sees as pictures (visual: SmolLM2 with a vision tower built here), and a skill from real data
+# (skill: reading the UCI handwritten digits, judged on images never trained on, beside GRPO): OPSD beside
+# its controls and SFT; JSON in runs/learn/report.json, a PNG per task in runs/learn/<task>/.
 learn: $(ENV_STAMP)
 	$(PYTHON) bench/learning.py

@@ -22,7 +22,17 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
                  the fact in words, columns.privileged_text=fact). Its acceptance: opsd +15 points,
                  the controls within 5, the teacher's prompt 30 points above the student's at step 0.
 
-    .venv/bin/python bench/learning.py [--tasks text_facts visual] [--runs opsd no_privileged noise sft]
+    skill        configs/learn_digits_smollm2_vlm.yaml: a skill from real data, judged on inputs never
+                 trained on. The seeing SmolLM2 with its tower also taught printed digits
+                 (model.build: smollm2-vlm-digits) reads the UCI handwritten digits scikit-learn ships;
+                 the teacher is also shown the digit printed; evaluation on handwritten digits no run
+                 trains on. Runs (`--skill-runs`): opsd and grpo (`--skill-seeds`, 3 by default: mean
+                 and min-max), opsd_reward (opsd + the answer-checking GRPO term), sft (cross-entropy on
+                 the answer), noise and no_privileged. Accuracy by optimizer step and by sampled
+                 completion token; the tokens each run needed to reach a stated accuracy. Its
+                 acceptance: the opsd mean +15 points, the controls within 5.
+
+    .venv/bin/python bench/learning.py [--tasks text_facts visual skill] [--runs opsd no_privileged noise sft]
         [--visual-runs opsd noise no_privileged sft] [--visual-opsd-steps 20]
         [--opsd-steps 30] [--out runs/learn] [key=value ...]
 
@@ -391,7 +401,213 @@ def run_task(args, out: Path, progress, *, title: str, config: str, controls: di
     return task
 
 
-TASKS = {"text_facts": text_facts_task, "visual": visual_task}
+SKILL_CONFIG = "configs/learn_digits_smollm2_vlm.yaml"
+SKILL_CONTROLS = {
+    "opsd": [],
+    # The same prompts, samples and completion budget, the answer checked (the config's reward
+    # section: answer_match), no teacher.
+    "grpo": ["loss={kind: grpo}"],
+    # OPSD with a verifier: the jsd term plus the GRPO term on the same samples.
+    "opsd_reward": ["loss.reward_weight=1.0"],
+    # Cross-entropy on the answer ("7 is seven."), one copy per prompt.
+    "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1", "prompts.privileged=[text]"],
+    "noise": ["prompts.noise=normal"],
+    "no_privileged": ["prompts.privileged=[]"],
+}
+SKILL_SEEDED = ("opsd", "grpo")
+SKILL_TARGET_POINTS = 10
+"""The stated accuracy of the tokens-to-reach comparison: opsd's mean step-0 accuracy + this many points."""
+SKILL_COLOURS = {**COLOURS, "grpo": "tab:red", "opsd_reward": "tab:purple"}
+
+
+def skill_points(records: list[dict]) -> list[dict]:
+    """`eval_points` with `completion_tokens`: the completion tokens trained on up to each evaluation
+    (sampled ones, except under sft, which samples none and trains on its reference texts)."""
+    tokens, at = 0, {}
+    for r in records:
+        if r["step"] > 0 and "loss" in r:
+            tokens += r["completion_tokens"]
+        if "eval/accuracy" in r:
+            at[r["step"]] = tokens
+    return [{**e, "completion_tokens": at[e["step"]]} for e in eval_points(records)]
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def skill_run_summary(seeds: list[dict]) -> dict:
+    """A run's seeds and, per evaluation step, the mean and min-max of the held-out accuracy."""
+    steps = [e["step"] for e in seeds[0]["eval"]]
+    curve = []
+    for i, step in enumerate(steps):
+        points = [s["eval"][i] for s in seeds if i < len(s["eval"])]
+        curve.append({"step": step, "completion_tokens": statistics.fmean(p["completion_tokens"] for p in points),
+                      "student_accuracy": spread([p["student_accuracy"] for p in points]),
+                      "teacher_accuracy": spread([p["teacher_accuracy"] for p in points]) if points[0]["teacher_accuracy"] is not None else None})
+    return {"seeds": seeds, "student_gain": spread([s["student_gain"] for s in seeds]), "curve": curve,
+            "wall_s": sum(s["wall_s"] for s in seeds), "cpu_s": sum(s["cpu_s"] or 0.0 for s in seeds)}
+
+
+def tokens_to_reach(runs: dict, target: float) -> dict:
+    """Per run and seed: the completion tokens (and steps) up to the first evaluation at `target`
+    accuracy or above, or how far it got."""
+    out = {}
+    for name, run in runs.items():
+        per_seed = []
+        for s in run["seeds"]:
+            hit = next((e for e in s["eval"] if e["student_accuracy"] >= target - 1e-9), None)
+            best = max(s["eval"], key=lambda e: e["student_accuracy"])
+            per_seed.append({"seed": s["seed"], "reached": hit is not None,
+                             "completion_tokens": hit["completion_tokens"] if hit else None, "step": hit["step"] if hit else None,
+                             "best_accuracy": best["student_accuracy"], "best_step": best["step"]})
+        out[name] = per_seed
+    return out
+
+
+def at_tokens(seed: dict, tokens: float) -> dict:
+    """The seed's last evaluation with at most `tokens` completion tokens trained on."""
+    return [e for e in seed["eval"] if e["completion_tokens"] <= tokens + 1e-9][-1]
+
+
+def opsd_vs_grpo(runs: dict) -> dict | None:
+    """opsd and grpo at equal sampled completion tokens: the fewer of the two runs' totals (seed
+    means), each run's last evaluation within it (its accuracy: mean and min-max over seeds)."""
+    if "opsd" not in runs or "grpo" not in runs:
+        return None
+    tokens = min(statistics.fmean(s["eval"][-1]["completion_tokens"] for s in runs[name]["seeds"]) for name in ("opsd", "grpo"))
+    out = {"completion_tokens": tokens}
+    for name in ("opsd", "grpo"):
+        points = [at_tokens(s, tokens) for s in runs[name]["seeds"]]
+        out[name] = {"steps": [p["step"] for p in points], "student_accuracy": spread([p["student_accuracy"] for p in points]),
+                     "gain_points": spread([100 * (p["student_accuracy"] - s["eval"][0]["student_accuracy"])
+                                            for p, s in zip(points, runs[name]["seeds"])])}
+    out["opsd_minus_grpo_points"] = 100 * (out["opsd"]["student_accuracy"]["mean"] - out["grpo"]["student_accuracy"]["mean"])
+    return out
+
+
+def skill_acceptance(runs: dict) -> dict:
+    """The bar, in points from step 0 to each run's end: the opsd seeds' mean +15, the noise and
+    no-privileged controls within 5; the base model's accuracy between 5% and 40% (a GRPO signal)."""
+    out = {f"{name}_gain_points": round(100 * run["student_gain"]["mean"], 1) for name, run in runs.items()}
+    if "opsd" in runs:
+        out["opsd_mean_gains_15_points"] = out["opsd_gain_points"] >= 15
+        base = runs["opsd"]["curve"][0]["student_accuracy"]["mean"]
+        out["base_accuracy_points"] = round(100 * base, 1)
+        out["base_accuracy_between_5_and_40"] = 0.05 <= base <= 0.40
+    for control in ("no_privileged", "noise"):
+        if f"{control}_gain_points" in out:
+            out[f"{control}_moves_under_5_points"] = abs(out[f"{control}_gain_points"]) <= 5
+    return out
+
+
+def plot_skill(task: dict, path: Path) -> None:
+    """Held-out accuracy by optimizer step and by completion tokens trained on: seed means, min-max bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    for name, run in task["runs"].items():
+        colour = SKILL_COLOURS.get(name)
+        for ax, x_key in zip(axes, ("step", "completion_tokens")):
+            xs = [c[x_key] for c in run["curve"]]
+            acc = [c["student_accuracy"] for c in run["curve"]]
+            label = f"{name} ({len(run['seeds'])} seeds)" if len(run["seeds"]) > 1 else name
+            ax.plot(xs, [100 * a["mean"] for a in acc], "o-", color=colour, label=label)
+            if len(run["seeds"]) > 1:
+                ax.fill_between(xs, [100 * a["min"] for a in acc], [100 * a["max"] for a in acc], color=colour, alpha=0.15)
+            if name == "opsd" and run["curve"][0]["teacher_accuracy"] is not None:
+                ax.plot(xs, [100 * c["teacher_accuracy"]["mean"] for c in run["curve"]], "s--", color=colour, alpha=0.5,
+                        label="opsd: teacher prompt")
+    target = task.get("target_accuracy")
+    for ax, xlabel in zip(axes, ("optimizer step", "completion tokens trained on (sampled; sft: reference tokens)")):
+        if target is not None:
+            ax.axhline(100 * target, color="black", linewidth=0.8, linestyle=":", label=f"stated accuracy {100 * target:.0f}%")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out handwritten digits right, greedy (%)")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+    axes[0].set_title(task["title"], fontsize=9)
+    axes[1].set_title(f"{task['eval_items']} held-out images; bands: min-max over seeds", fontsize=9)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def skill_task(args, out: Path, progress) -> dict:
+    """Handwritten digits on the seeing SmolLM2 taught printed ones: its model built first (timed),
+    then every run of `args.skill_runs` in `out` (opsd and grpo once per seed of `args.skill_seeds`)."""
+    import shutil
+
+    from opsd.config import load_config
+    from opsd.trainer.summary import read_records
+
+    overrides = list(args.skill_overrides) + ([f"train.max_steps={args.skill_steps}"] if args.skill_steps else [])
+    cfg = load_config(ROOT / SKILL_CONFIG, overrides)
+    model_dir = Path(cfg.model.path)
+    build = {"wall_s": 0.0, "cpu_s": 0.0, "skipped": (ROOT / model_dir / "config.json").exists()}
+    if not build["skipped"]:
+        print(f"building the seeing SmolLM2 that reads printed digits into {model_dir} ...", file=sys.stderr, flush=True)
+        build["wall_s"], build["cpu_s"] = run_child(["-m", "opsd.smollm2_vlm", "--digits", "--out", str(model_dir)],
+                                                    out / "build.log")
+    dataset = cfg.data.datasets[0].synthetic
+    task = {
+        "title": "SmolLM2-135M with a tower taught printed digits learns to read handwritten ones (UCI digits)",
+        "config": SKILL_CONFIG, "overrides": overrides, "vlm_build": build,
+        "data": f"UCI handwritten digits (scikit-learn's copy): {dataset.n_train} training images, {dataset.n_eval} held-out",
+        "eval_items": cfg.eval.num_samples,
+        "eval": "greedy, handwritten digits never trained on, answer = the last digit word named",
+        "steps": cfg.train.max_steps,
+        "sequences_per_step": cfg.prompts_per_step * cfg.rollout.samples_per_prompt,
+        "seeds": list(range(args.skill_seeds)),
+        "runs": {},
+        "png": str(out / "learning_curve.png"),
+    }
+    started = time.perf_counter()
+
+    def write() -> None:
+        runs = task["runs"]
+        if "opsd" in runs:
+            task["target_accuracy"] = runs["opsd"]["curve"][0]["student_accuracy"]["mean"] + SKILL_TARGET_POINTS / 100
+            task["tokens_to_target"] = tokens_to_reach(runs, task["target_accuracy"])
+        task["opsd_vs_grpo_equal_tokens"] = opsd_vs_grpo(runs)
+        task["acceptance"] = skill_acceptance(runs)
+        task["wall_s"] = build["wall_s"] + time.perf_counter() - started
+        task["cpu_s"] = build["cpu_s"] + sum(r["cpu_s"] for r in runs.values())
+        task["acceptance"]["under_40_minutes"] = task["wall_s"] < 40 * 60
+        (out / "report.json").write_text(json.dumps(task, indent=1))
+        plot_skill(task, out / "learning_curve.png")
+        progress(task)
+
+    for name in args.skill_runs:
+        seeds = task["seeds"] if name in SKILL_SEEDED else task["seeds"][:1]
+        done = []
+        for seed in seeds:
+            run_dir = out / name / f"seed{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time (the recipe would resume a finished one)
+            run_overrides = [*overrides, *SKILL_CONTROLS[name], f"train.seed={seed}", f"logging.output_dir={run_dir}",
+                             "logging.progress_bar=false"]
+            print(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}",
+                  file=sys.stderr, flush=True)
+            wall, cpu = run_child(["-m", "opsd.train", "--config", SKILL_CONFIG, *run_overrides], out / f"{name}_seed{seed}.log")
+            records = read_records(run_dir / "metrics.jsonl")
+            evals = skill_points(records)
+            done.append({"seed": seed, "overrides": SKILL_CONTROLS[name], "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"],
+                         "eval": evals, "completion_tokens": evals[-1]["completion_tokens"], "wall_s": wall, "cpu_s": cpu,
+                         "reward_mean_first_last": [next((r.get("reward/mean") for r in records if "reward/mean" in r), None),
+                                                    next((r.get("reward/mean") for r in reversed(records) if "reward/mean" in r), None)]})
+            accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in evals)
+            print(f"  {name} seed {seed}: held-out accuracy by step {accs} ({wall:.0f} s)", file=sys.stderr, flush=True)
+            task["runs"][name] = skill_run_summary(done)
+            write()
+    write()
+    return task
+
+
+TASKS = {"text_facts": text_facts_task, "visual": visual_task, "skill": skill_task}
 """Task name -> function(args, its own directory, progress) -> the task's report section, holding
 `acceptance`, `png`, `wall_s` and `cpu_s`; it calls `progress(section so far)` as its runs finish."""
 
@@ -419,6 +635,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="visual: dotted.key=value overrides for every run of the visual task")
     parser.add_argument("--visual-opsd-steps", type=int, default=20,
                         help="visual: steps of the opsd run (the others run train.max_steps)")
+    parser.add_argument("--skill-runs", nargs="+", choices=list(SKILL_CONTROLS), default=list(SKILL_CONTROLS),
+                        help="skill: the runs")
+    parser.add_argument("--skill-seeds", type=int, default=3, help="skill: seeds of the opsd and grpo runs (the others: 1)")
+    parser.add_argument("--skill-steps", type=int, default=0, help="skill: steps of every run (0 = the config's)")
+    parser.add_argument("--skill-overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="skill: dotted.key=value overrides for every run of the skill task")
     parser.add_argument("--opsd-steps", type=int, default=30,
                         help="text_facts: steps of the opsd run (the others run train.max_steps)")
     parser.add_argument("--config", default=CONFIG, help="text_facts: the recipe")

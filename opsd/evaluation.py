@@ -17,18 +17,16 @@ reference and whether they matched, so an accuracy of 0 can be read item by item
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 
+from opsd.answers import extract_answer, is_correct, normalise_answer  # noqa: F401 (re-exported)
 from opsd.config import EvalConfig, PromptConfig
 from opsd.data.sample import Sample
 from opsd.device import process_rank
 from opsd.prompts import placeholder_token_ids, student_prompt, teacher_prompt
 from opsd.retention import RetentionProbe
 from opsd.rollout.engine import SamplingSettings, generate_once
-
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 EVAL_SUBDIR = "eval"
 """Where a run's evaluation records go, under its output directory."""
@@ -50,35 +48,6 @@ def write_records(path: Path, records: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return path
-
-
-def extract_answer(text: str, pattern: str) -> str | None:
-    """The last match of `pattern` in `text` (its first group when it has one), or None."""
-    matches = list(re.finditer(pattern, text, flags=re.DOTALL))
-    if not matches:
-        return None
-    last = matches[-1]
-    return last.group(1) if last.re.groups else last.group(0)
-
-
-def normalise_answer(answer: str) -> str:
-    """Case, surrounding spaces/markup and final punctuation do not count; numbers compare by
-    value ("1,000" = "1000", "12.0" = "12")."""
-    text = " ".join(answer.strip().casefold().split())
-    text = text.strip("*$`\"' ").rstrip(".!").strip()
-    boxed = re.fullmatch(r"\\boxed\{(.*)\}", text)
-    if boxed:
-        text = boxed.group(1).strip()
-    number = text.replace(",", "")
-    if _NUMBER.fullmatch(number):
-        value = float(number)
-        return str(int(value)) if value.is_integer() else str(value)
-    return text
-
-
-def is_correct(completion: str, reference: str, pattern: str) -> bool:
-    answer = extract_answer(completion, pattern)
-    return answer is not None and normalise_answer(answer) == normalise_answer(reference)
 
 
 def eval_due(step: int, cfg: EvalConfig, max_steps: int) -> bool:

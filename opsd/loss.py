@@ -3,7 +3,8 @@
 `generalized_jsd` is the OPSD reference loss, step for step as the Visual-OPSD reference code
 computes it: top-k on the teacher, temperature, beta-mixture divergence (TRL convention),
 elementwise clip, sum over the vocabulary, times T^2. `tinker_loss` is Thinking Machines' on-policy distillation: a policy gradient on the
-sampled token with the per-token reverse KL as (negative) advantage.
+sampled token with the per-token reverse KL as (negative) advantage. `grpo_loss` is the PPO-clipped
+policy gradient on group-relative reward advantages (`group_advantages`), no teacher.
 
 Both return an unreduced float32 [N] tensor (float64 for float64 inputs): the trainer divides the
 sum over an optimizer step by that step's number of completion tokens, so per-micro-batch means
@@ -20,8 +21,8 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
-    "GuardrailSums", "generalized_jsd", "guardrail_sums", "host_floats", "logprobs_and_entropy", "tinker_loss",
-    "token_logprobs",
+    "GuardrailSums", "generalized_jsd", "group_advantages", "grpo_loss", "guardrail_sums", "host_floats",
+    "logprobs_and_entropy", "tinker_loss", "token_logprobs",
 ]
 
 LOGPROB_CHUNK_ROWS = 1024
@@ -240,6 +241,59 @@ def tinker_loss(
         )
         ratio = torch.exp(raw_lp - _upcast(sampler_logprobs))
     return -advantage * ratio * student_lp
+
+
+def group_advantages(rewards: Tensor, *, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO's group-relative advantages of rewards [G, n] (G prompts, n samples each): each reward minus
+    its group's mean, divided by the group's standard deviation (unbiased, plus `eps`) when
+    `scale_by_std`. A group whose rewards are all equal gets exactly 0 for every sample."""
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be [prompts, samples >= 2], got shape {tuple(rewards.shape)}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    flat = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    centred = torch.where(flat, 0.0, centred)  # exactly 0: the mean's round-off would leave ~1e-17
+    if not scale_by_std:
+        return centred
+    return centred / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def grpo_loss(
+    student_logits: Tensor,
+    sampled_ids: Tensor,
+    advantages: Tensor,
+    sampler_logprobs: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    reference_logits: Tensor | None = None,
+    kl_weight: float = 0.0,
+) -> Tensor:
+    """Per-token PPO-clipped policy gradient [N] on the sampled tokens y (GRPO, token level).
+
+    r = exp(log p_S(y) - sampler_logprobs) (both raw, temperature 1; r = 1 when the sampler holds the
+    student's weights), A the token's completion's advantage (detached) and
+    loss = -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps) A); with `reference_logits` and `kl_weight`,
+    plus kl_weight * (exp(d) - d - 1), d = log p_ref(y) - log p_S(y) (the k3 estimator of
+    KL(student || reference)). A token with A = 0 (a group whose rewards are all equal) adds exactly
+    zero gradient unless the KL term is on.
+    """
+    n = student_logits.shape[0]
+    if student_logits.dim() != 2:
+        raise ValueError(f"student_logits must be 2-D [N, V], got shape {tuple(student_logits.shape)}")
+    for name, t in (("sampled_ids", sampled_ids), ("advantages", advantages), ("sampler_logprobs", sampler_logprobs)):
+        if t.shape != (n,):
+            raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    student_lp = token_logprobs(student_logits, sampled_ids, chunk_size=LOGPROB_CHUNK_ROWS)
+    advantages = _upcast(advantages.detach()).to(student_lp.dtype)
+    ratio = torch.exp(student_lp - _upcast(sampler_logprobs.detach()).to(student_lp.dtype))
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if reference_logits is not None and kl_weight > 0:
+        with torch.no_grad():
+            reference_lp = token_logprobs(reference_logits.detach(), sampled_ids, chunk_size=LOGPROB_CHUNK_ROWS)
+        d = reference_lp - student_lp
+        loss = loss + kl_weight * (torch.exp(d) - d - 1)
+    return loss
 
 
 @torch.no_grad()

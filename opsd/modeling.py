@@ -52,6 +52,7 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
             "tiny-text": tiny_models.build_tiny_text_model,
             "smollm2": convert_smollm2.convert,
             "smollm2-vlm": smollm2_vlm.build,
+            "smollm2-vlm-digits": smollm2_vlm.build_digits,
         }[cfg.build]
         build(path)
     # A hub id is `name` or `org/name`; `artifacts/tiny-vlm` is local when `artifacts/` is.

@@ -50,10 +50,12 @@ def reference_completions(samples: list[Sample], processor, n: int) -> list[Comp
     return completions
 
 
-def rollout_examples(rollout: Rollout, processor, cfg: Config, *, privileged: bool = True) -> tuple[list[Example], dict[str, int]]:
+def rollout_examples(rollout: Rollout, processor, cfg: Config, *, privileged: bool = True,
+                     advantages: list[float] | None = None) -> tuple[list[Example], dict[str, int]]:
     """Each completion between its student prompt and its teacher prompt (`privileged=False`: the
-    student prompt again, teacher = student), cut to fit `train.max_forward_tokens`; with the counts
-    of what was cut or dropped."""
+    student prompt again, teacher = student), cut to fit `train.max_forward_tokens`, with its reward
+    advantage (`advantages`, one per completion; None = 0); with the counts of what was cut or dropped."""
     students = [encode_prompt(processor, p) for p in rollout.prompts]
     teachers = [encode_prompt(processor, teacher_prompt(s, processor, cfg.prompts)) for s in rollout.samples] if privileged else students
-    return build_examples(students, teachers, [s.id for s in rollout.samples], rollout.completions, cfg.train.max_forward_tokens)
+    return build_examples(students, teachers, [s.id for s in rollout.samples], rollout.completions, cfg.train.max_forward_tokens,
+                          advantages)

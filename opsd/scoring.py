@@ -124,10 +124,12 @@ class ScoredBatch:
     student_logprobs: torch.Tensor  # [N] the student's logprob of each sampled token
     guardrails: GuardrailSums = field(default_factory=GuardrailSums)
     """Sums behind the guardrail metrics (teacher top-k mass, clip share, student entropy), 0-d tensors."""
+    reward: torch.Tensor | None = None
+    """[N] the GRPO term a distillation kind adds (`loss.reward_weight > 0`); None without."""
 
     def token_losses(self, loss: Loss) -> torch.Tensor:
-        """[N] per-token loss: distillation term plus CE on the sampled token, weighted."""
-        return weighted_loss(loss, self.distill, -self.student_logprobs)
+        """[N] per-token loss: distillation term plus CE on the sampled token (plus the reward term), weighted."""
+        return weighted_loss(loss, self.distill, -self.student_logprobs, self.reward)
 
 
 Timed = Callable[[str], ContextManager]
@@ -175,9 +177,13 @@ class Scoring:
         completions = [e.completion_ids for e in micro]
         with timed("collate"):
             student_batch = self.batch(student, [e.student for e in micro], completions)
-            teacher_batch = self.batch(teacher, [e.teacher for e in micro], completions) if self.loss.needs_teacher else None
+            # grpo's reference model (its KL to the initial weights) reads the student's prompt
+            teacher_prompts = [e.teacher if self.loss.teacher_sees_privilege else e.student for e in micro]
+            teacher_batch = self.batch(teacher, teacher_prompts, completions) if self.loss.needs_teacher else None
             sampled = student_batch.completion_ids.to(device)
             engine_logprobs = torch.tensor([lp for e in micro for lp in e.engine_logprobs], device=device)
+            advantages = torch.tensor([e.advantage for e in micro for _ in e.completion_ids], device=device) \
+                if self.loss.needs_advantages else None
         with autocast(device, self.dtype):
             with timed("student_forward"):
                 student_logits = completion_logits(student, student_batch)
@@ -188,14 +194,18 @@ class Scoring:
                 teacher_logits = student_logits.detach()
         guardrails = GuardrailSums(tokens=float(sampled.numel()))
         with timed("loss"):  # the kind's term and the guardrail sums it yields (top-k mass, clip share)
-            distill = self.loss.distill(student_logits, teacher_logits, sampled, engine_logprobs, guardrails)
+            distill = self.loss.distill(student_logits, teacher_logits, sampled, engine_logprobs, guardrails,
+                                        advantages=advantages)
+            reward = self.loss.reward_term(student_logits, sampled, engine_logprobs, advantages) \
+                if self.loss.reward_weight else None
         with timed("student_logprobs"):  # log p_S(y) (CE, the engine check) and the entropy in one pass
             ce_trains = self.loss.weights[1] > 0 and torch.is_grad_enabled()
             student_logprobs, guardrails.student_entropy = logprobs_and_entropy(
                 student_logits, None if ce_trains else sampled, chunk_size=self.loss.chunk_rows)
             if ce_trains:  # log p_S(y) with its gradient
                 student_logprobs = token_logprobs(student_logits, sampled)
-        return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs, guardrails)
+        return ScoredBatch(sampled, engine_logprobs, student_logits, teacher_logits, distill, student_logprobs, guardrails,
+                           reward)
 
     def examples(self, student, teacher, examples: list[Example]) -> Iterator[tuple[list[Example], ScoredBatch]]:
         """`micro_batch` over `examples` in the run's micro-batches, outside training (offline dumps,

@@ -222,6 +222,8 @@ class Example:
     teacher: EncodedPrompt
     completion_ids: list[int]
     engine_logprobs: list[float]
+    advantage: float = 0.0
+    """The completion's group-relative reward advantage (opsd/rewards.py); 0 without rewards."""
 
 
 def build_examples(
@@ -230,13 +232,15 @@ def build_examples(
     sample_ids: list[str],
     completions: list,
     max_forward_tokens: int,
+    advantages: list[float] | None = None,
 ) -> tuple[list[Example], dict[str, int]]:
-    """Pair each completion with its prompts; truncate it so the longer sequence fits.
+    """Pair each completion with its prompts (and its advantage, `advantages[i]` for `completions[i]`);
+    truncate it so the longer sequence fits.
 
     Returns the examples and counts of what was cut or dropped (nothing is dropped silently).
     """
     examples, counts = [], {"empty_completions": 0, "truncated_completions": 0, "prompt_too_long": 0}
-    for c in completions:
+    for i, c in enumerate(completions):
         student, teacher = student_prompts[c.prompt_index], teacher_prompts[c.prompt_index]
         budget = completion_budget(student, teacher, max_forward_tokens)
         if budget == 0:
@@ -248,7 +252,8 @@ def build_examples(
         if len(c.token_ids) > budget:
             counts["truncated_completions"] += 1
         examples.append(
-            Example(sample_ids[c.prompt_index], student, teacher, c.token_ids[:budget], c.logprobs[:budget])
+            Example(sample_ids[c.prompt_index], student, teacher, c.token_ids[:budget], c.logprobs[:budget],
+                    advantages[i] if advantages is not None else 0.0)
         )
     return examples, counts
 

@@ -79,6 +79,7 @@ from opsd.modeling import (
 )
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import describe_prompts, is_multimodal, student_prompt, teacher_prompt
+from opsd.rewards import RewardError, Rewards, reward_metrics
 from opsd.rollout import EngineLost, RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
@@ -225,6 +226,8 @@ class Run:
     last_record: dict = field(default_factory=dict)
     bad_steps: int = 0
     """Steps in a row not applied for a non-finite loss or gradient norm (`train.max_bad_steps`)."""
+    rewards: Rewards | None = None
+    """The reward functions (`reward` section); None = no rewards."""
 
 
 def start_run(cfg: Config, log_file: Path) -> Run:
@@ -243,6 +246,7 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     if ranks.is_main:
         print(describe_first_sample(first_row(stream), cfg), flush=True)
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
+    rewards = Rewards.from_config(cfg.reward, cfg.eval.answer_pattern) if cfg.reward else None  # imports resolved here
     with native_output_to_log(None if cfg.logging.verbose else log_file):
         engine = make_engine(cfg, model_dir, processor)
     with ExitStack() as on_error:  # a failure below closes the engine (and the metrics file)
@@ -269,7 +273,7 @@ def start_run(cfg: Config, log_file: Path) -> Run:
         step = TrainStep(student, teacher.scorer, optimizer, Scoring.from_config(cfg, processor), cfg.optim.max_grad_norm, ranks)
         on_error.pop_all()
     return Run(cfg, output_dir, ranks, processor, stream, evaluator, engine, student, teacher,
-               optimizer, scheduler, step, logger, checkpoints, frozen, start_step, last_step=start_step)
+               optimizer, scheduler, step, logger, checkpoints, frozen, start_step, last_step=start_step, rewards=rewards)
 
 
 def sample(run: Run, step: int) -> Rollout:
@@ -282,17 +286,24 @@ def sample(run: Run, step: int) -> Rollout:
 
 
 def build_sequences(run: Run, rollout: Rollout) -> tuple[list[Example], dict[str, int], int]:
-    """Student and teacher sequences ending with the identical completion ids; what was dropped or
-    cut (summed over ranks); the completion tokens of all ranks."""
-    examples, counts = rollout_examples(rollout, run.processor, run.cfg)
+    """Each completion's reward and advantage (with a `reward` section), student and teacher sequences
+    ending with the identical completion ids; what was dropped or cut and the reward metrics (summed
+    over ranks); the completion tokens of all ranks."""
+    rewards = run.rewards.score(rollout.samples, rollout.completions) if run.rewards else None
+    examples, counts = rollout_examples(rollout, run.processor, run.cfg, advantages=rewards.advantages if rewards else None)
     completions = rollout.completions
     capped = sum(c.hit_token_limit(run.cfg.rollout.max_new_tokens) for c in completions)
+    reward_sums = rewards.sums() if rewards else []
     # Global token normalisation: the step's loss is divided by the completion tokens of all ranks.
-    *dropped, capped, num_completions, step_tokens = map(int, run.ranks.sum(
-        [*counts.values(), capped, len(completions), sum(len(e.completion_ids) for e in examples)]
-    ))
-    counts = dict(zip(counts, dropped))
+    *dropped, capped, num_completions, step_tokens = run.ranks.sum(
+        [*counts.values(), *reward_sums, capped, len(completions), sum(len(e.completion_ids) for e in examples)]
+    )
+    dropped, reward_sums = dropped[: len(counts)], dropped[len(counts):]
+    capped, num_completions, step_tokens = int(capped), int(num_completions), int(step_tokens)
+    counts = dict(zip(counts, map(int, dropped)))
     counts["truncated_fraction"] = capped / num_completions if num_completions else 0.0  # hit max_new_tokens
+    if rewards:
+        counts.update(reward_metrics(run.rewards.names, reward_sums))
     return examples, counts, step_tokens
 
 
@@ -472,6 +483,8 @@ def describe_plan(cfg: Config) -> str:
         f"  {teacher}; privileged {'+'.join(cfg.prompts.privileged)}"
         f"{f' ({cfg.prompts.noise} noise ablation)' if cfg.prompts.noise != 'off' else ''}",
         f"  loss {cfg.loss.kind}: {loss.describe()}",
+        *([f"  reward: {' + '.join(f'{f.weight:g} x {f.name}' for f in cfg.reward.functions)}"
+           f"{'' if cfg.reward.scale_by_std else ' (advantages not divided by the group std)'}"] if cfg.reward else []),
         f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})"
         + (f"\n  {warning}" if (warning := warmup_warning(cfg.optim, t.max_steps)) else ""),
         f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
@@ -549,9 +562,11 @@ def main(argv: list[str] | None = None, final_line: Callable[[Callable[[], str]]
 
             return 0 if run_check(cfg) else 1
         train(cfg)
-    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, NonFiniteStepsError, OutputDirInUse) as err:
+    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, NonFiniteStepsError, OutputDirInUse,
+            RewardError) as err:
         # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce,
-        # a failed save (the disk), a loss that stayed non-finite, an output directory in use
+        # a failed save (the disk), a loss that stayed non-finite, an output directory in use, a
+        # reward function that fails
         print(f"error: {err}", file=sys.stderr)
         return 2
     except EngineLostError as err:  # a dead or frozen rollout server: like a lost rank, after a save

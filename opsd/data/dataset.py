@@ -97,6 +97,11 @@ def prepare(dataset: DatasetConfig) -> None:
 
         write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, n_facts=s.n_facts,
                       n_validation=s.n_validation)
+    elif s.kind == "digits":
+        from opsd.data.digits import write_dataset
+
+        write_dataset(path, n_train=s.n_train, n_eval=s.n_eval, seed=s.seed, image_size=s.image_size,
+                      n_validation=s.n_validation)
     elif s.kind == "picture-facts":
         from opsd.data.picture_facts import write_dataset
 

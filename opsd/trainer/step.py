@@ -34,6 +34,8 @@ class StepSums:
     ce: float | torch.Tensor = 0.0
     mismatch: float | torch.Tensor = 0.0
     mismatch_max: float | torch.Tensor = 0.0
+    reward: float | torch.Tensor = 0.0
+    """The reward term (`loss.reward_weight > 0`)."""
     guardrails: GuardrailSums = field(default_factory=GuardrailSums)
     finite: bool = True
     """Whether the step's loss and gradient norm were finite on every rank (set by `optimizer_step`);
@@ -44,6 +46,8 @@ class StepSums:
         mismatch = (scored.student_logprobs.detach() - scored.engine_logprobs).abs()
         self.distill += scored.distill.detach().sum().double()
         self.ce -= scored.student_logprobs.detach().sum().double()
+        if scored.reward is not None:
+            self.reward += scored.reward.detach().sum().double()
         # NaN: no sampler produced these tokens (loss.kind=sft); such a micro-batch adds no mismatch.
         sampled = ~mismatch.isnan().any()
         self.mismatch += torch.where(sampled, mismatch.sum(), 0.0).double()
@@ -142,7 +146,7 @@ def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, m
     if sums is not None:
         norm = full_value(grad_norm)
         checked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norm.device).reshape(())
-                               for v in (norm, sums.distill, sums.ce)])
+                               for v in (norm, sums.distill, sums.ce, sums.reward)])
         finite = bool(torch.isfinite(checked).all())  # one transfer to the host per step
         if ranks is not None and ranks.enabled:
             finite = ranks.max([0.0 if finite else 1.0])[0] == 0
@@ -158,12 +162,15 @@ def step_metrics(sums: StepSums, grad_norm, loss: Loss, ranks: Ranks, total_toke
     """The step's metrics over all ranks (collectives: every rank calls this): the loss, its kind's
     distillation metric (none for `sft`), CE, and the guardrails that apply to the kind."""
     # This rank's values leave the device here, once per step.
-    distill, ce, mismatch, mismatch_max, grad_norm, *guardrails = host_floats(
-        [sums.distill, sums.ce, sums.mismatch, sums.mismatch_max, full_value(grad_norm), *sums.guardrails.as_list()]
+    distill, ce, reward, mismatch, mismatch_max, grad_norm, *guardrails = host_floats(
+        [sums.distill, sums.ce, sums.reward, sums.mismatch, sums.mismatch_max, full_value(grad_norm), *sums.guardrails.as_list()]
     )
-    distill_sum, ce_sum, mismatch_sum, num_examples, *guardrails = ranks.sum([distill, ce, mismatch, num_examples, *guardrails])
-    distill, ce = distill_sum / total_tokens, ce_sum / total_tokens
-    metrics = {"loss": weighted_loss(loss, distill, ce), **({loss.metric: distill} if loss.metric else {}), "ce": ce}
+    distill_sum, ce_sum, reward_sum, mismatch_sum, num_examples, *guardrails = ranks.sum(
+        [distill, ce, reward, mismatch, num_examples, *guardrails])
+    distill, ce, reward = distill_sum / total_tokens, ce_sum / total_tokens, reward_sum / total_tokens
+    metrics = {"loss": weighted_loss(loss, distill, ce, reward), **({loss.metric: distill} if loss.metric else {}), "ce": ce}
+    if loss.reward_weight:  # the GRPO term a distillation kind adds, under grpo's own metric name
+        metrics["grpo_loss"] = reward
     metrics.update({
         "grad_norm": grad_norm,
         "completion_tokens": total_tokens,

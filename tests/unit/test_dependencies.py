@@ -2,7 +2,8 @@
 and no opsd modules import each other in a circle, whatever their layers.
 
     config <- data <- prompts <- sequences <- scoring <- teacher <- trainer <- train (the recipe)
-    loss, device: leaves (tensor math; where the process runs), importable from any layer
+    loss, device, answers: leaves (tensor math; where the process runs; answer matching), importable from any layer
+    rewards (reward functions, advantages): config, data; imported by the recipe
     loss_kinds (the loss objects): config only, imported from scoring up
     models (modeling, tiny_models, convert_smollm2, smollm2_vlm, vl_processor, lora): config and prompts
     rollout: prompts and below, models; retention: rollout, prompts, sequences, scoring; evaluation: retention, rollout, prompts
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GROUPS = {  # group: module prefixes
     "config": ["opsd.config"],
     "loss": ["opsd.loss"],
+    "answers": ["opsd.answers"],
+    "rewards": ["opsd.rewards"],
     "loss_kinds": ["opsd.loss_kinds"],
     "device": ["opsd.device"],
     "data": ["opsd.data"],
@@ -41,13 +44,15 @@ GROUPS = {  # group: module prefixes
     "recipe": ["opsd.train"],
     "package": ["opsd"],
 }
-LEAVES = {"loss", "device", "package"}
+LEAVES = {"loss", "device", "answers", "package"}
 MAY_IMPORT = {  # group: the groups (or module prefixes) it may import, besides itself and the leaves
     "config": set(),
     "loss": set(),
     "device": set(),
     "package": set(),
+    "answers": set(),
     "data": {"config"},
+    "rewards": {"config", "data"},
     "loss_kinds": {"config"},
     "prompts": {"config", "data"},
     "sequences": {"config", "data", "prompts"},

@@ -20,7 +20,7 @@ def test_each_kind_declares_what_it_needs_and_logs():
     assert jsd.guardrail_names == ("teacher_topk_mass", "clip_fraction", "student_entropy")
     assert tinker.guardrail_names == sft.guardrail_names == ("student_entropy",)
     assert sft.weights == (0.0, 1.0) and tinker.weights == (1.0, 0.0)
-    assert DISTILL_METRICS == {"jsd": False, "tinker_loss": True}
+    assert DISTILL_METRICS == {"jsd": False, "tinker_loss": True, "grpo_loss": True}
 
 
 def test_sft_scores_no_distillation_term_and_no_teacher_guardrails():

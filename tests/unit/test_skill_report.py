@@ -1,0 +1,64 @@
+"""bench/learning.py's skill task report from metrics records: per-seed gains beside the accuracies,
+mean and min-max, tokens to reach the stated accuracy, opsd beside grpo at equal tokens, acceptance."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def learning():
+    spec = importlib.util.spec_from_file_location("bench_learning_skill", ROOT / "bench" / "learning.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def records(accuracies: dict[int, float], tokens_per_step: int) -> list[dict]:
+    out = []
+    for step in range(max(accuracies) + 1):
+        r = {"step": step}
+        if step:
+            r.update(loss=0.1, jsd=0.1, ce=1.0, completion_tokens=tokens_per_step, time_rollout_s=1.0, time_train_s=1.0,
+                     time_weight_sync_s=0.0, **{"reward/mean": accuracies.get(step, 0.0)})
+        if step in accuracies:
+            r.update({"eval/accuracy": accuracies[step], "eval/answered": 1.0, "eval/teacher_accuracy": 0.9, "time_eval_s": 1.0})
+        out.append(r)
+    return out
+
+
+def seed(learning, number, accuracies, tokens_per_step):
+    evals = learning.skill_points(records(accuracies, tokens_per_step))
+    return {"seed": number, "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"], "eval": evals,
+            "completion_tokens": evals[-1]["completion_tokens"], "wall_s": 10.0, "cpu_s": 20.0}
+
+
+def test_the_skill_report_holds_seeds_spreads_tokens_to_target_and_the_equal_token_comparison(learning, tmp_path):
+    runs = {
+        "opsd": learning.skill_run_summary([seed(learning, 0, {0: 0.1, 5: 0.3, 10: 0.4}, 10),
+                                            seed(learning, 1, {0: 0.1, 5: 0.2, 10: 0.3}, 12)]),
+        "grpo": learning.skill_run_summary([seed(learning, 0, {0: 0.1, 5: 0.15, 10: 0.2}, 20),
+                                            seed(learning, 1, {0: 0.1, 5: 0.1, 10: 0.1}, 20)]),
+        "noise": learning.skill_run_summary([seed(learning, 0, {0: 0.1, 5: 0.12, 10: 0.13}, 10)]),
+    }
+    opsd = runs["opsd"]
+    assert [s["student_gain"] for s in opsd["seeds"]] == pytest.approx([0.3, 0.2])
+    assert opsd["student_gain"] == pytest.approx({"mean": 0.25, "min": 0.2, "max": 0.3})
+    assert [e["completion_tokens"] for e in opsd["seeds"][1]["eval"]] == [0, 60, 120]
+    assert opsd["curve"][1]["student_accuracy"] == pytest.approx({"mean": 0.25, "min": 0.2, "max": 0.3})
+    reached = learning.tokens_to_reach(runs, 0.2)
+    assert [(s["reached"], s["completion_tokens"]) for s in reached["opsd"]] == [(True, 50), (True, 60)]
+    assert [(s["reached"], s["completion_tokens"], s["best_accuracy"]) for s in reached["grpo"]] == [(True, 200, 0.2), (False, None, 0.1)]
+    equal = learning.opsd_vs_grpo(runs)
+    assert equal["completion_tokens"] == 110  # opsd's mean total (100, 120) is the smaller
+    assert equal["grpo"]["steps"] == [5, 5] and equal["opsd"]["steps"] == [10, 5]
+    assert equal["opsd_minus_grpo_points"] == pytest.approx(100 * ((0.4 + 0.2) / 2 - (0.15 + 0.1) / 2))
+    acceptance = learning.skill_acceptance(runs)
+    assert acceptance["opsd_gain_points"] == 25.0 and acceptance["opsd_mean_gains_15_points"] is True
+    assert acceptance["noise_moves_under_5_points"] is True and acceptance["base_accuracy_between_5_and_40"] is True
+    task = {"title": "t", "eval_items": 100, "runs": runs, "target_accuracy": 0.2}
+    learning.plot_skill(task, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
