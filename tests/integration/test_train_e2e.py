@@ -83,7 +83,7 @@ def test_stale_engine_is_caught_by_the_mismatch_check(tmp_path, tiny_vlm_dir, gr
 @pytest.mark.slow
 def test_cli_entry_point(tmp_path, tiny_vlm_dir, grid_data_dir):
     args = [
-        "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
+        "--config", "configs/smoke.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
         f"logging.output_dir={tmp_path / 'cli'}", "train.max_steps=1", "rollout.engine=hf",
         "rollout.max_new_tokens=8", "logging.progress_bar=false",
     ]

@@ -64,7 +64,7 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_overrides_apply_and_parse_yaml_scalars():
-    cfg = load_config("configs/demo.yaml", ["train.max_steps=3", "rollout.engine=hf", "loss.beta=0", "prompts.privileged=[images,text]"])
+    cfg = load_config("configs/smoke.yaml", ["train.max_steps=3", "rollout.engine=hf", "loss.beta=0", "prompts.privileged=[images,text]"])
     assert cfg.train.max_steps == 3 and cfg.rollout.engine == "hf" and cfg.loss.beta == 0.0
     assert cfg.prompts.privileged == ["images", "text"]
 
@@ -103,9 +103,9 @@ def test_cross_field_check():
 
 
 def test_cli_reports_bad_override_without_traceback(capsys):
-    assert main(["--config", "configs/demo.yaml", "--dry-run", "loss.top_k=-3"]) == 2
+    assert main(["--config", "configs/smoke.yaml", "--dry-run", "loss.top_k=-3"]) == 2
     assert "loss.top_k" in capsys.readouterr().err
-    assert main(["--config", "configs/demo.yaml", "--dry-run", "no_equals_sign"]) == 2
+    assert main(["--config", "configs/smoke.yaml", "--dry-run", "no_equals_sign"]) == 2
     assert main(["--config", "configs/missing.yaml", "--dry-run"]) == 2
 
 

@@ -8,7 +8,7 @@ from opsd.rollouts import main as dumps_main
 
 
 def args(tmp_path, model_dir, data_dir, *overrides):
-    return ["--config", "configs/demo.yaml", f"model.path={model_dir}", f"data.path={data_dir}",
+    return ["--config", "configs/smoke.yaml", f"model.path={model_dir}", f"data.path={data_dir}",
             f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", *overrides]
 
 
