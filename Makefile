@@ -2,7 +2,7 @@
 PYTHON := .venv/bin/python
 ENV_STAMP := .venv/.opsd-env
 
-.PHONY: env demo test test-fast bench learn
+.PHONY: env demo smoke test test-fast bench learn
 
 $(ENV_STAMP): pyproject.toml scripts/setup_env.py
 	python3 scripts/setup_env.py
@@ -10,10 +10,16 @@ $(ENV_STAMP): pyproject.toml scripts/setup_env.py
 
 env: $(ENV_STAMP)
 
-# The demo config resumes runs/demo when it exists; `make demo` always shows a fresh run.
+# SmolLM2 that can see learns facts its teacher only sees as pictures (configs/demo.yaml): a fresh run
+# each time (runs/demo is deleted); the models it builds stay in artifacts/, so a second run starts at once.
 demo: $(ENV_STAMP)
 	rm -rf runs/demo
 	$(PYTHON) -m opsd.train --config configs/demo.yaml
+
+# The machinery in about a minute: a tiny random VLM (configs/smoke.yaml) that learns nothing.
+smoke: $(ENV_STAMP)
+	rm -rf runs/smoke
+	$(PYTHON) -m opsd.train --config configs/smoke.yaml
 
 # Everything: tests/unit and tests/integration (real vLLM engines, training runs, torchrun). CI runs this.
 # Budget: 8 minutes on 2 idle cores; each target ends with its 20 slowest tests (docs/development.md).

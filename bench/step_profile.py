@@ -50,7 +50,7 @@ SETTINGS = {  # name -> (config, overrides)
     "smollm2-float32-4": (SMOLLM2, ["rollout.samples_per_prompt=4"]),
     "smollm2-bfloat16-1": (SMOLLM2, ["rollout.samples_per_prompt=1", "model.dtype=bfloat16"]),
     "smollm2-bfloat16-4": (SMOLLM2, ["rollout.samples_per_prompt=4", "model.dtype=bfloat16"]),
-    "tiny-vlm-float32-2": ("configs/demo.yaml", []),
+    "tiny-vlm-float32-2": ("configs/smoke.yaml", []),
 }
 ENGINE_LOGPROBS = "engine-teacher-logprobs"
 TARGETS = {"smollm2": 1.15, "tiny-vlm": 1.3}

@@ -724,6 +724,9 @@ class LoggingConfig:
     dump_top_n: Annotated[int, Field(ge=0)] = 5
     """With dumping on (or `opsd.rollouts dump`): also record the teacher's n most likely tokens
     and their probabilities at every completion position; 0 = off."""
+    see_also: str | None = None
+    """A line the plan and the run summary end with: where to go next (the demo points to `make
+    learn` for its controls and seeds). None = none."""
 
 
 @dataclass(config=_STRICT)

@@ -1,6 +1,6 @@
 """On-policy self-distillation, in one process or on every rank of a torchrun launch.
 
-    python -m opsd.train --config configs/demo.yaml [dotted.key=value ...] [--dry-run]
+    python -m opsd.train --config configs/smoke.yaml [dotted.key=value ...] [--dry-run]
     torchrun --nproc_per_node 8 -m opsd.train --config ...   # FSDP2, one colocated engine per rank
 
 Each optimizer step: sample completions from the student with the rollout engine -> build the
@@ -397,7 +397,7 @@ def end_run(run: Run, stopped: RunStopped | None = None) -> None:
         summary = run_summary(read_records(run.logger.path), output_dir=run.output_dir,
                               wall_time_s=time.perf_counter() - run.started, start_step=run.start_step,
                               stopped=stopped.describe() if stopped else None,
-                              mismatch_threshold=mismatch_threshold(run.cfg))
+                              mismatch_threshold=mismatch_threshold(run.cfg), see_also=run.cfg.logging.see_also)
         write_summary(run.output_dir, summary)
         tqdm.write(format_summary(summary))
     run.ranks.barrier()
@@ -491,13 +491,24 @@ def describe_plan(cfg: Config) -> str:
         f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"
         f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}"
         f"{f', answer pattern {cfg.eval.answer_pattern}' if cfg.eval.every else ''}",
+        *([f"  shows: {describe_evidence(cfg)}"] if cfg.eval.every else []),
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
         f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
         f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
         f"{f', resume from {cfg.checkpoint.resume_from}' if cfg.checkpoint.resume_from else ''}",
         f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
         f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
+        *([f"  see also: {cfg.logging.see_also}"] if cfg.logging.see_also else []),
     ])
+
+
+def describe_evidence(cfg: Config) -> str:
+    """What the run's evaluations will show (the summary prints it at step 0 and at the end)."""
+    e, t = cfg.eval, cfg.train
+    when = "at step 0 and after the last step" if e.every >= t.max_steps else f"at step 0, every {e.every} steps and after the last"
+    teacher = (f", beside the same questions asked with the teacher's prompt (privileged {'+'.join(cfg.prompts.privileged)})"
+               if e.with_teacher_prompt else "")
+    return f"the student's greedy accuracy on {e.num_samples} held-out questions (eval split) {when}{teacher}"
 
 
 def first_row(stream: SampleStream) -> Sample | BadSample:

@@ -1,6 +1,6 @@
 """Rollout dumps and their analysis: what the student samples and where the teacher disagrees.
 
-    python -m opsd.dumps dump --config configs/demo.yaml --out runs/dumps/real [--checkpoint DIR]
+    python -m opsd.dumps dump --config configs/smoke.yaml --out runs/dumps/real [--checkpoint DIR]
                               [--num-samples N] [--split train|eval] [dotted.key=value ...]
     python -m opsd.dumps dump --model DIR --data DIR --out DIR          # a model directory alone
     python -m opsd.dumps analyze DIR [--compare DIR2] [--out PLOTS_DIR] [--top N]

@@ -1,6 +1,6 @@
 """Start the `vllm serve` process that `rollout.engine: server` drives, configured from a run config.
 
-    python -m opsd.rollout.serve --config configs/demo.yaml [dotted.key=value ...] [--print]
+    python -m opsd.rollout.serve --config configs/smoke.yaml [dotted.key=value ...] [--print]
 
 The server gets the model, dtype, context length and KV-cache bound of the run, listens on the
 host and port of `rollout.server.url` (loopback), and is given what the weight sync needs: the dev

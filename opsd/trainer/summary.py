@@ -44,11 +44,13 @@ def _first_last(records: list[dict], key: str) -> dict | None:
 
 
 def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, start_step: int = 0,
-                stopped: dict | None = None, mismatch_threshold: float | None = None) -> dict:
+                stopped: dict | None = None, mismatch_threshold: float | None = None,
+                see_also: str | None = None) -> dict:
     """Steps, wall time by stage, tokens per second (this process's steps, after `start_step`), the
     first and last value of the loss and evaluation metrics (whole run), the rows of the data skipped
-    (whole run), warnings, and the run's files. `stopped`: how a stop signal ended it
-    (`RunStopped.describe()`); `mismatch_threshold`: see `off_policy_warning`."""
+    (whole run), the held-out accuracy at the first and last evaluation, warnings, and the run's
+    files. `stopped`: how a stop signal ended it (`RunStopped.describe()`); `mismatch_threshold`: see
+    `off_policy_warning`; `see_also`: `logging.see_also`, the summary's last line."""
     output_dir = Path(output_dir)
     mine = [r for r in records if r["step"] > start_step or start_step == 0]  # step 0: the baseline evaluation
     stage_time = {stage: sum(r.get(f"time_{stage}_s", 0.0) for r in mine) for stage in STAGES}
@@ -74,11 +76,40 @@ def run_summary(records: list[dict], *, output_dir: Path, wall_time_s: float, st
         "tokens_per_s": tokens / wall_time_s if wall_time_s > 0 else math.nan,
         "metrics": (metrics := {key: fl for key in FIRST_LAST_KEYS if (fl := _first_last(records, key)) is not None}),
         "showed": what_it_showed(metrics),
+        "held_out_accuracy": held_out_accuracy(records),
         "skipped_rows": skipped_rows(records[-1]) if records else {},
         "warnings": [w for w in [off_policy_warning(records, mismatch_threshold)] if w],
         "stopped": stopped,
         "files": files,
+        "see_also": see_also,
     }
+
+
+def held_out_accuracy(records: list[dict]) -> dict | None:
+    """The student's accuracy on the eval split at its first evaluation (step 0 in a fresh run) and
+    its last, the points between, and the same for the teacher's prompt when it was evaluated; None
+    without two evaluations."""
+    student = _first_last(records, "eval/accuracy")
+    if student is None or student["first_step"] == student["last_step"]:
+        return None
+    items = [r["eval/num_samples"] for r in records if "eval/num_samples" in r]
+    out = {"items": items[-1] if items else None,
+           "student": {**student, "gain_points": round(100 * (student["last"] - student["first"]), 2)}}
+    if (teacher := _first_last(records, "eval/teacher_accuracy")) is not None:
+        out["teacher_prompt"] = teacher
+    return out
+
+
+def describe_held_out(held_out: dict) -> str:
+    """`held-out accuracy (64 questions, greedy): student 0.0% at step 0 -> 23.4% at step 8 (+23.4
+    points); with the teacher's prompt 71.9% at step 0, 54.7% at step 8`."""
+    s = held_out["student"]
+    items = f"{held_out['items']} questions, greedy" if held_out.get("items") else "greedy"
+    line = (f"held-out accuracy ({items}): student {s['first']:.1%} at step {s['first_step']} -> {s['last']:.1%} "
+            f"at step {s['last_step']} ({s['gain_points']:+.1f} points)")
+    if t := held_out.get("teacher_prompt"):
+        line += f"; with the teacher's prompt {t['first']:.1%} at step {t['first_step']}, {t['last']:.1%} at step {t['last_step']}"
+    return line
 
 
 def what_it_showed(metrics: dict) -> str:
@@ -124,11 +155,15 @@ def format_summary(summary: dict) -> str:
     if summary.get("skipped_rows"):
         lines.append(f"  bad rows skipped: {describe_skipped(summary['skipped_rows'])} (data/skipped_* in metrics.jsonl)")
     lines += [f"  {warning}" for warning in summary.get("warnings", [])]
+    if summary.get("held_out_accuracy"):
+        lines.append(f"  {describe_held_out(summary['held_out_accuracy'])}")
     if summary.get("showed"):
         lines.append(f"  showed: {summary['showed']}")
     for key, fl in summary["metrics"].items():
         lines.append(f"  {key}: {fl['first']:.4g} (step {fl['first_step']}) -> {fl['last']:.4g} (step {fl['last_step']})")
     lines += [f"  {name}: {path}" for name, path in summary["files"].items()]
+    if summary.get("see_also"):
+        lines.append(f"  see also: {summary['see_also']}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ from opsd.train import main
 
 
 def check_args(tmp_path, tiny_vlm_dir, grid_data_dir, *overrides):
-    return ["--config", "configs/demo.yaml", "--check", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
+    return ["--config", "configs/smoke.yaml", "--check", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
             f"logging.output_dir={tmp_path / 'run'}", "rollout.max_new_tokens=16", *overrides]
 
 

@@ -22,9 +22,9 @@ def skipped(record, prefix="data/skipped_"):
 
 
 def run_config(tmp_path, model_dir, datasets, *overrides):
-    """configs/demo.yaml on the given datasets: 2 steps of 4 prompts, short completions, eval at the end."""
+    """configs/smoke.yaml on the given datasets: 2 steps of 4 prompts, short completions, eval at the end."""
     data = yaml.safe_dump(datasets, default_flow_style=True, width=10_000).strip()
-    return load_config("configs/demo.yaml", [
+    return load_config("configs/smoke.yaml", [
         f"model.path={model_dir}", "data.path=null", "data.synthetic=null", f"data.datasets={data}",
         f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "train.max_steps=2",
         "rollout.max_new_tokens=12", "eval.max_new_tokens=8", "eval.num_samples=4", "rollout.engine=hf",
@@ -104,7 +104,7 @@ def test_on_bad_sample_error_stops_naming_dataset_file_and_row(tmp_path, tiny_vl
     path = write_thinkmorph(tmp_path / "tm.parquet", n_good=1, defects=THINKMORPH_DEFECTS[2:3])
     datasets = yaml.safe_dump([{"path": str(path), "schema": "thinkmorph", "name": "tm"}], default_flow_style=True).strip()
     args = [
-        "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", "data.path=null", "data.synthetic=null",
+        "--config", "configs/smoke.yaml", f"model.path={tiny_vlm_dir}", "data.path=null", "data.synthetic=null",
         f"data.datasets={datasets}", "data.on_bad_sample=error", "data.shuffle=false", "eval.every=0",
         f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "rollout.engine=hf", "train.max_steps=1",
     ]
@@ -117,7 +117,7 @@ def test_missing_column_stops_at_start(tmp_path, tiny_vlm_dir, capsys):
     path = write_thinkmorph(tmp_path / "tm.parquet", n_good=2, defects=[])
     datasets = yaml.safe_dump([{"path": str(path), "schema": "thinkmorph", "columns": {"answer": "solution"}}], default_flow_style=True).strip()
     args = [
-        "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", "data.path=null", "data.synthetic=null",
+        "--config", "configs/smoke.yaml", f"model.path={tiny_vlm_dir}", "data.path=null", "data.synthetic=null",
         f"data.datasets={datasets}", f"logging.output_dir={tmp_path / 'run'}", "rollout.engine=hf",
     ]
     assert main(args) == 2

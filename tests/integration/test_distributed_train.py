@@ -30,7 +30,7 @@ STEPS = 3
 
 def launch(command, output_dir, tiny_vlm_dir, grid_data_dir, *overrides, env=None):
     args = [
-        "--config", str(ROOT / "configs/demo.yaml"), f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
+        "--config", str(ROOT / "configs/smoke.yaml"), f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
         f"logging.output_dir={output_dir}", "logging.progress_bar=false", f"train.max_steps={STEPS}",
         "rollout.max_new_tokens=12", "train.grad_accum_steps=2", "optim.warmup_steps=0",
         "optim.schedule=constant", "optim.eps=1e-8", *overrides,

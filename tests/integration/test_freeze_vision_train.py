@@ -28,7 +28,7 @@ def test_ten_frozen_vision_steps_sync_less_keep_encodings_and_leave_the_tower_un
         reset_caches(llm, **kwargs)
 
     monkeypatch.setattr(opsd.rollout.vllm_engine, "reset_caches", recording_reset)
-    cfg = load_config("configs/demo.yaml", [
+    cfg = load_config("configs/smoke.yaml", [
         f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}",
         "model.freeze_vision=true", "train.max_steps=10", "train.prompts_per_micro_step=1", "train.grad_accum_steps=1",
         "rollout.max_new_tokens=12",

@@ -28,7 +28,7 @@ LORA = "model.lora={rank: 8, alpha: 16}"
 
 
 def vlm_config(output_dir, tiny_vlm_dir, grid_data_dir, *extra):
-    return load_config("configs/demo.yaml", [
+    return load_config("configs/smoke.yaml", [
         f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}", f"logging.output_dir={output_dir}",
         "logging.progress_bar=false", "rollout.max_new_tokens=16", "train.max_steps=6", "checkpoint.save_every=3",
         "checkpoint.resume_from=null", "checkpoint.save_total_limit=null", "eval.every=0", LORA, *extra,
@@ -37,7 +37,7 @@ def vlm_config(output_dir, tiny_vlm_dir, grid_data_dir, *extra):
 
 def text_config(output_dir, tiny_text_dir, data_dir, *extra):
     data = f"[{{path: {data_dir}, schema: text, synthetic: {{kind: arithmetic, n_train: 16, n_eval: 4}}}}]"
-    return load_config("configs/demo.yaml", [
+    return load_config("configs/smoke.yaml", [
         f"model.path={tiny_text_dir}", "data.path=null", "data.synthetic=null", f"data.datasets={data}",
         "prompts.privileged=[text]", f"logging.output_dir={output_dir}", "logging.progress_bar=false",
         "rollout.max_new_tokens=16", "train.max_steps=3", "train.max_forward_tokens=512", "eval.every=0",

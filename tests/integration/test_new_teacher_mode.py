@@ -52,7 +52,7 @@ def test_a_teacher_mode_written_outside_opsd_trains(tmp_path, tiny_text_dir, mon
 
     monkeypatch.setattr(opsd.train, "make_teacher", capture)
     data = f"[{{path: {tmp_path / 'data'}, schema: text, synthetic: {{kind: arithmetic, n_train: 8, n_eval: 0}}}}]"
-    cfg = load_config("configs/demo.yaml", [
+    cfg = load_config("configs/smoke.yaml", [
         f"model.path={tiny_text_dir}", "data.path=null", "data.synthetic=null", f"data.datasets={data}",
         "prompts.privileged=[text]", f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false",
         "teacher.mode=snapshot", "rollout.engine=hf", "rollout.max_new_tokens=8", "train.max_steps=2",

@@ -15,7 +15,7 @@ from tests.helpers.datafiles import write_thinkmorph
 def test_three_steps_on_thinkmorph_rows_with_the_hf_engine(tmp_path, request, build, fixture):
     model_dir = request.getfixturevalue(fixture)
     data = write_thinkmorph(tmp_path / "tm.parquet", n_good=8, defects=[])
-    cfg = load_config("configs/demo.yaml", [
+    cfg = load_config("configs/smoke.yaml", [
         f"model.path={model_dir}", f"model.build={build}", "rollout.engine=hf",
         "data.path=null", f"data.datasets=[{{path: {data}, schema: thinkmorph}}]", "data.synthetic=null",
         f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", "train.max_steps=3",

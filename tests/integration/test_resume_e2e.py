@@ -38,7 +38,7 @@ def overrides(output_dir, tiny_vlm_dir, grid_data_dir, *extra):
 
 
 def run_config(output_dir, tiny_vlm_dir, grid_data_dir, *extra):
-    return load_config(REPO / "configs/demo.yaml", overrides(output_dir, tiny_vlm_dir, grid_data_dir, *extra))
+    return load_config(REPO / "configs/smoke.yaml", overrides(output_dir, tiny_vlm_dir, grid_data_dir, *extra))
 
 
 def read_metrics(output_dir):
@@ -100,7 +100,7 @@ def test_sigkill_mid_save_resumes_from_previous_checkpoint(straight_run, tmp_pat
     # The final save is killed after its model directories and training state are written,
     # before the manifest and the rename.
     env = {**os.environ, "OPSD_FAULT_INJECT": "save:train_state@6"}
-    args = ["--config", "configs/demo.yaml", *overrides(output_dir, tiny_vlm_dir, grid_data_dir)]
+    args = ["--config", "configs/smoke.yaml", *overrides(output_dir, tiny_vlm_dir, grid_data_dir)]
     proc = subprocess.run([sys.executable, "-m", "opsd.train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (output_dir / "checkpoint-6.tmp" / "train_state" / ".metadata").is_file()
@@ -156,7 +156,7 @@ def test_a_run_whose_disk_fills_ends_with_one_error_line_and_the_last_checkpoint
     output_dir, _ = small_disk
     data = write_text_jsonl(tmp_path / "train.jsonl", n_good=8, defects=[])
     monkeypatch.setattr(ckpt, "checkpoint_bytes", lambda path: 0)  # the early check would stop before writing
-    args = ["--config", str(REPO / "configs/demo.yaml"), f"model.path={tiny_text_dir}", "data.path=null", "data.synthetic=null",
+    args = ["--config", str(REPO / "configs/smoke.yaml"), f"model.path={tiny_text_dir}", "data.path=null", "data.synthetic=null",
             f"data.datasets=[{{path: {data}, schema: text}}]", "prompts.privileged=[text]", "rollout.engine=hf",
             "rollout.max_new_tokens=4", "eval.every=0", f"logging.output_dir={output_dir}", "logging.progress_bar=false",
             "rollout.samples_per_prompt=1", "train.grad_accum_steps=1", "train.max_steps=2", "checkpoint.save_every=1",
@@ -170,7 +170,7 @@ def test_a_run_whose_disk_fills_ends_with_one_error_line_and_the_last_checkpoint
 
 
 def test_cli_reports_checkpoint_errors(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
-    args = ["--config", "configs/demo.yaml", *overrides(tmp_path, tiny_vlm_dir, grid_data_dir, f"checkpoint.resume_from={tmp_path / 'nowhere'}")]
+    args = ["--config", "configs/smoke.yaml", *overrides(tmp_path, tiny_vlm_dir, grid_data_dir, f"checkpoint.resume_from={tmp_path / 'nowhere'}")]
     assert opsd.train.main(args) == 2
     assert "no opsd checkpoint at" in capsys.readouterr().err
 
@@ -190,7 +190,7 @@ def test_stop_signals_save_and_the_resumes_end_as_the_uninterrupted_run(straight
     the three pieces end bit for bit where the uninterrupted run did."""
     reference_dir, _ = straight_run
     output_dir = tmp_path / "run"
-    args = ["--config", str(REPO / "configs/demo.yaml"),
+    args = ["--config", str(REPO / "configs/smoke.yaml"),
             *overrides(output_dir, tiny_vlm_dir, grid_data_dir, "checkpoint.resume_from=auto")]
 
     def stopped_run(stage, step):

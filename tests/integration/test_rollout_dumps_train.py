@@ -52,7 +52,7 @@ def test_training_dumps_rollouts_that_re_add_to_the_logged_metrics(tmp_path, tin
 
     from opsd.train import train
 
-    cfg = load_config("configs/demo.yaml", [
+    cfg = load_config("configs/smoke.yaml", [
         f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}",
         "logging.progress_bar=false", "train.max_steps=2", "rollout.max_new_tokens=16",
         "logging.dump_rollouts_every=1", "logging.dump_top_n=3",

@@ -28,7 +28,7 @@ def test_dump_needs_a_config_or_a_model_and_data(tmp_path, capsys):
 @pytest.mark.slow
 def test_dump_real_and_noise_then_compare(tmp_path, tiny_vlm_dir, grid_data_dir, capfd):
     common = [
-        "--config", "configs/demo.yaml", "--num-samples", "2", f"model.path={tiny_vlm_dir}",
+        "--config", "configs/smoke.yaml", "--num-samples", "2", f"model.path={tiny_vlm_dir}",
         f"data.path={grid_data_dir}", "rollout.max_new_tokens=12",
     ]
     assert main(["dump", *common, "--out", str(tmp_path / "real")]) == 0
@@ -72,7 +72,7 @@ def test_dump_of_a_fixed_teacher_checkpoint_scores_the_teacher_with_the_initial_
     dirs = resolve_model_dirs(run_dir)  # a run directory: its newest checkpoint
     assert (dirs.student, dirs.teacher, dirs.step) == (str(checkpoint / "model"), str(initial), 1)
 
-    args = ["dump", "--config", "configs/demo.yaml", "--checkpoint", str(checkpoint), f"data.path={grid_data_dir}",
+    args = ["dump", "--config", "configs/smoke.yaml", "--checkpoint", str(checkpoint), f"data.path={grid_data_dir}",
             "--num-samples", "2", "--out", str(tmp_path / "dump"), "rollout.engine=hf", "rollout.max_new_tokens=8"]
     assert main(args) == 0
     rows = pq.read_table(tmp_path / "dump" / "step_1_rank_0.parquet").to_pylist()

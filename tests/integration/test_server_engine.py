@@ -94,7 +94,7 @@ def test_missing_server_is_reported_with_the_launch_command(tiny_text_dir):
 def test_serve_prints_the_server_command_of_the_config(capsys):
     from opsd.rollout.serve import main
 
-    assert main(["--config", "configs/demo.yaml", "--print", "rollout.server.url=http://127.0.0.1:8123", "--", "--max-num-seqs", "8"]) == 0
+    assert main(["--config", "configs/smoke.yaml", "--print", "rollout.server.url=http://127.0.0.1:8123", "--", "--max-num-seqs", "8"]) == 0
     line = capsys.readouterr().out
     for part in (
         "VLLM_SERVER_DEV_MODE=1", "--model artifacts/tiny-vlm", "--host 127.0.0.1 --port 8123", "--dtype float32",

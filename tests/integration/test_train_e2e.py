@@ -61,7 +61,7 @@ def test_cli_trains_the_demo_config_with_hf_engine_and_tinker_loss(tmp_path, tin
     run for both (they were two runs of the same path)."""
     out = tmp_path / "cli"
     args = [
-        "--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
+        "--config", "configs/smoke.yaml", f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
         f"logging.output_dir={out}", "logging.progress_bar=false", "train.max_steps=3", "rollout.max_new_tokens=16",
         "rollout.engine=hf", "loss={kind: tinker}", "teacher.mode=fixed",
     ]

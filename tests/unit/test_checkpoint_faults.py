@@ -207,7 +207,7 @@ def test_a_corrupt_model_directory_at_the_start_is_one_error_line_naming_the_fil
             f.truncate(weights.stat().st_size - 1000)
     else:
         weights.write_bytes(bytes(range(256)) * 64 + weights.read_bytes()[16384:])
-    status = opsd.train.main(["--config", "configs/demo.yaml", f"model.path={model}", "model.build=null",
+    status = opsd.train.main(["--config", "configs/smoke.yaml", f"model.path={model}", "model.build=null",
                               f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err

@@ -85,7 +85,7 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_overrides_apply_and_parse_yaml_scalars():
-    cfg = load_config("configs/demo.yaml", ["train.max_steps=3", "rollout.engine=hf", "loss.beta=0", "prompts.privileged=[images,text]"])
+    cfg = load_config("configs/smoke.yaml", ["train.max_steps=3", "rollout.engine=hf", "loss.beta=0", "prompts.privileged=[images,text]"])
     assert cfg.train.max_steps == 3 and cfg.rollout.engine == "hf" and cfg.loss.beta == 0.0
     assert cfg.prompts.privileged == ["images", "text"]
 
@@ -118,7 +118,7 @@ def test_bad_keys_and_values_are_named(section, values, named):
 
 def test_a_key_of_another_loss_kind_says_how_to_switch_to_that_kind():
     with pytest.raises(ConfigError) as err:
-        load_config("configs/demo.yaml", ["loss.tinker_weight=1"])
+        load_config("configs/smoke.yaml", ["loss.tinker_weight=1"])
     message = str(err.value)
     assert "loss.tinker_weight: a setting of loss.kind=tinker, not of jsd" in message
     assert "to use it, switch kinds (from the command line, replace the section: 'loss={kind: tinker, tinker_weight: ...}')" in message
@@ -135,24 +135,24 @@ def test_cross_field_check():
 
 
 def test_cli_reports_bad_override_without_traceback(capsys):
-    assert main(["--config", "configs/demo.yaml", "--dry-run", "loss.top_k=-3"]) == 2
+    assert main(["--config", "configs/smoke.yaml", "--dry-run", "loss.top_k=-3"]) == 2
     assert "loss.top_k" in capsys.readouterr().err
-    assert main(["--config", "configs/demo.yaml", "--dry-run", "no_equals_sign"]) == 2
+    assert main(["--config", "configs/smoke.yaml", "--dry-run", "no_equals_sign"]) == 2
     assert main(["--config", "configs/missing.yaml", "--dry-run"]) == 2
 
 
 def test_a_text_that_yaml_reads_as_a_mapping_stays_text():
     """`Fact:` is a one-key mapping to YAML; as an override value it is the text, and a flow mapping is a mapping."""
-    cfg = load_config("configs/demo.yaml", ["prompts.privileged_text_intro=Fact:", "prompts.system=Note: a: b"])
+    cfg = load_config("configs/smoke.yaml", ["prompts.privileged_text_intro=Fact:", "prompts.system=Note: a: b"])
     assert cfg.prompts.privileged_text_intro == "Fact:" and cfg.prompts.system == "Note: a: b"
-    assert load_config("configs/demo.yaml", ["loss={kind: tinker}"]).loss.kind == "tinker"
+    assert load_config("configs/smoke.yaml", ["loss={kind: tinker}"]).loss.kind == "tinker"
     with pytest.raises(ConfigError, match=r"prompts\.system: Input should be a valid string \(got \{'a': 1\}\)"):
-        load_config("configs/demo.yaml", ["prompts.system={a: 1}"])
+        load_config("configs/smoke.yaml", ["prompts.system={a: 1}"])
 
 
 def test_an_override_of_data_datasets_replaces_data_path(tmp_path):
-    """The demo names its data by data.path and data.synthetic; data.datasets=[...] alone replaces both (and back)."""
-    cfg = load_config("configs/demo.yaml", [f"data.datasets=[{{path: {tmp_path}, schema: text}}]"])
+    """The smoke config names its data by data.path and data.synthetic; data.datasets=[...] alone replaces both (and back)."""
+    cfg = load_config("configs/smoke.yaml", [f"data.datasets=[{{path: {tmp_path}, schema: text}}]"])
     assert cfg.data.path is None and cfg.data.synthetic is None and cfg.data.datasets[0].path == str(tmp_path)
     cfg = load_config("configs/text_opsd_smollm2.yaml", [f"data.path={tmp_path}"])
     assert cfg.data.path == str(tmp_path) and cfg.data.datasets == []

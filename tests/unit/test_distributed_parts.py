@@ -14,8 +14,8 @@ from tests.helpers.samples import SampleList
 
 def test_bf16_fsdp_parameters_need_bf16_autocast():
     with pytest.raises(ConfigError, match="distributed.param_dtype=bfloat16 needs model.dtype=bfloat16"):
-        load_config("configs/demo.yaml", ["distributed.param_dtype=bfloat16"])
-    cfg = load_config("configs/demo.yaml", ["distributed.param_dtype=bfloat16", "model.dtype=bfloat16"])
+        load_config("configs/smoke.yaml", ["distributed.param_dtype=bfloat16"])
+    cfg = load_config("configs/smoke.yaml", ["distributed.param_dtype=bfloat16", "model.dtype=bfloat16"])
     assert cfg.distributed.param_dtype == "bfloat16" and cfg.distributed.reduce_dtype == "float32"
 
 

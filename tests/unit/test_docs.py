@@ -466,12 +466,12 @@ def test_checks_catch_planted_errors(tmp_path):
     bad.write_text("""# Bad page
 
 ```bash
-python -m opsd.trian --config configs/demo.yaml
-python -m opsd.train --config configs/demo.yaml rollout.temprature=1.0 logging.output_dir=runs/y
-python -m opsd.train --config configs/demo.yaml logging.output_dir=runs/x train.max_steps=3
-python -m opsd.train --config configs/demo.yaml logging.output_dir=runs/x train.max_steps=4
+python -m opsd.trian --config configs/smoke.yaml
+python -m opsd.train --config configs/smoke.yaml rollout.temprature=1.0 logging.output_dir=runs/y
+python -m opsd.train --config configs/smoke.yaml logging.output_dir=runs/x train.max_steps=3
+python -m opsd.train --config configs/smoke.yaml logging.output_dir=runs/x train.max_steps=4
 python -m opsd.train --config configs/no-such.yaml
-python -m opsd.dumps dump --config configs/demo.yaml
+python -m opsd.dumps dump --config configs/smoke.yaml
 make demoo
 ```
 

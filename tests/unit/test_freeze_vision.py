@@ -34,7 +34,7 @@ def test_the_vision_tower_and_connector_freeze_and_nothing_else(request, fixture
     assert {".".join(name.split(".")[:2]) for name in frozen} == modules
     assert all(p.requires_grad for name, p in model.named_parameters() if name not in frozen)
     assert "lm_head.weight" not in frozen
-    optimizer = build_optimizer(load_config("configs/demo.yaml", ["data.path=unused"]).optim, model)
+    optimizer = build_optimizer(load_config("configs/smoke.yaml", ["data.path=unused"]).optim, model)
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert not in_optimizer & {id(p) for name, p in model.named_parameters() if name in frozen}
 
@@ -43,7 +43,7 @@ def test_a_text_model_or_vision_adapters_beside_a_frozen_tower_are_refused(tiny_
     with pytest.raises(ConfigError, match="no vision tower"):
         frozen_model(tiny_text_dir)
     with pytest.raises(ConfigError, match="model.freeze_vision=true and model.lora.vision_target_modules"):
-        load_config("configs/demo.yaml", ["model.freeze_vision=true", "model.lora={vision_target_modules: [fc1]}",
+        load_config("configs/smoke.yaml", ["model.freeze_vision=true", "model.lora={vision_target_modules: [fc1]}",
                                           "rollout.lora_sync=merged"])
 
 
@@ -89,8 +89,8 @@ def test_the_sync_leaves_out_exactly_the_frozen_weights_in_full_and_merged_lora_
 
 def test_the_memory_plan_counts_no_gradients_optimizer_state_or_teacher_copy_for_the_frozen_tower(tiny_vlm_dir):
     overrides = [f"model.path={tiny_vlm_dir}", "data.path=unused", "teacher.mode=ema"]
-    plain = plan_memory(load_config("configs/demo.yaml", overrides), world_size=1, device_gb=80)
-    frozen = plan_memory(load_config("configs/demo.yaml", [*overrides, "model.freeze_vision=true"]), world_size=1, device_gb=80)
+    plain = plan_memory(load_config("configs/smoke.yaml", overrides), world_size=1, device_gb=80)
+    frozen = plan_memory(load_config("configs/smoke.yaml", [*overrides, "model.freeze_vision=true"]), world_size=1, device_gb=80)
     V = frozen.shape.vision_parameters
     assert V == sum(p.numel() for n, p in frozen_model(tiny_vlm_dir).named_parameters() if not p.requires_grad)
     rows = lambda plan: {item: gb for item, gb, _ in plan.rows}  # noqa: E731

@@ -121,7 +121,7 @@ def test_text_only_rows_are_refused_for_a_sharded_vlm(tmp_path):
 
     text = write_text_jsonl(tmp_path / "text.jsonl", n_good=4, defects=[])
     images = write_thinkmorph(tmp_path / "tm.parquet", n_good=4, defects=[])
-    cfg = load_config("configs/demo.yaml", [
+    cfg = load_config("configs/smoke.yaml", [
         "model.path=unused", "data.path=null", "data.synthetic=null", "prompts.privileged=[text]",
         f"data.datasets=[{{path: {images}, schema: thinkmorph}}, {{path: {text}, schema: text}}]",
     ])

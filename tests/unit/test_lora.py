@@ -112,11 +112,11 @@ def test_vllm_rank_rounds_up():
 ])
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config("configs/demo.yaml", ["model.lora={rank: 8}", *overrides])
+        load_config("configs/smoke.yaml", ["model.lora={rank: 8}", *overrides])
 
 
 def test_merged_sync_goes_with_any_engine():
-    cfg = load_config("configs/demo.yaml", ["model.lora={rank: 8}", "rollout.engine=hf", "rollout.lora_sync=merged",
+    cfg = load_config("configs/smoke.yaml", ["model.lora={rank: 8}", "rollout.engine=hf", "rollout.lora_sync=merged",
                                              "model.lora.vision_target_modules=[fc1]", "teacher.mode=base"])
     assert cfg.model.lora.vision_target_modules == ["fc1"] and cfg.teacher.mode == "base"
 

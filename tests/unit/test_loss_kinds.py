@@ -38,7 +38,7 @@ def test_sft_scores_no_distillation_term_and_no_teacher_guardrails():
     (["loss={kind: sft}", "prompts.privileged=[text]"], "loss sft: ce x1.0 on the privileged text (no sampling, no teacher)"),
 ])
 def test_the_plan_line_prints_only_the_settings_the_kind_uses(override, line):
-    plan = describe_plan(load_config("configs/demo.yaml", override)).splitlines()
+    plan = describe_plan(load_config("configs/smoke.yaml", override)).splitlines()
     assert f"  {line}" in plan
 
 

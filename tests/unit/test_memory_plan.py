@@ -11,7 +11,7 @@ from opsd.trainer.memory_plan import CONTEXT_GB, GB, HEADROOM, hf_config, model_
 
 
 def tiny_config(model_dir, *overrides):
-    return load_config("configs/demo.yaml", [f"model.path={model_dir}", "data.path=unused", *overrides])
+    return load_config("configs/smoke.yaml", [f"model.path={model_dir}", "data.path=unused", *overrides])
 
 
 def rows(plan) -> dict[str, float]:

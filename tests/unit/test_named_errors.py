@@ -8,7 +8,7 @@ from opsd.rollouts import main as dumps_main
 
 
 def args(tmp_path, model_dir, data_dir, *overrides):
-    return ["--config", "configs/demo.yaml", f"model.path={model_dir}", f"data.path={data_dir}",
+    return ["--config", "configs/smoke.yaml", f"model.path={model_dir}", f"data.path={data_dir}",
             f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false", *overrides]
 
 
@@ -67,7 +67,7 @@ def test_a_config_mistake_is_named_before_torch_is_imported():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "opsd.train", "--config", "configs/demo.yaml",
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "opsd.train", "--config", "configs/smoke.yaml",
                            "train.max_stpes=3"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert done.returncode == 2 and "error: invalid config:\n  train.max_stpes: Unexpected keyword argument" in done.stderr
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import time:")}

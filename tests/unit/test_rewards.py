@@ -96,7 +96,7 @@ def test_a_function_that_does_not_load_is_named(name, message):
 
 def test_a_reward_function_that_does_not_load_stops_the_run_with_status_2(tmp_path, tiny_vlm_dir, grid_data_dir, capfd):
     """Before any weights are loaded or an engine started: one `error:` line, status 2."""
-    status = opsd.train.main(["--config", "configs/demo.yaml", f"model.path={tiny_vlm_dir}",
+    status = opsd.train.main(["--config", "configs/smoke.yaml", f"model.path={tiny_vlm_dir}",
                               f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}",
                               "reward={functions: [{name: 'tests.helpers.rewards:nope'}]}"])
     err = capfd.readouterr().err
@@ -114,11 +114,11 @@ def test_a_reward_function_that_does_not_load_stops_the_run_with_status_2(tmp_pa
 ])
 def test_reward_settings_are_checked_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        load_config("configs/demo.yaml", overrides)
+        load_config("configs/smoke.yaml", overrides)
 
 
 def test_grpo_and_the_mixed_term_load():
-    cfg = load_config("configs/demo.yaml", ["loss={kind: grpo}", "reward={}", "teacher.mode=fixed"])
+    cfg = load_config("configs/smoke.yaml", ["loss={kind: grpo}", "reward={}", "teacher.mode=fixed"])
     assert cfg.loss.kind == "grpo" and cfg.reward.functions[0].name == "answer_match"
-    cfg = load_config("configs/demo.yaml", ["loss.reward_weight=0.5", "reward={}"])
+    cfg = load_config("configs/smoke.yaml", ["loss.reward_weight=0.5", "reward={}"])
     assert cfg.loss.reward_weight == 0.5 and cfg.loss.clip_eps == 0.2

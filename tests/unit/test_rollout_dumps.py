@@ -75,13 +75,13 @@ def test_token_scores_split_a_micro_batch_per_completion():
 
 def test_recorder_only_on_dump_steps():
     base = ["model.path=m", "data.path=d"]
-    assert recorder_for_step(load_config("configs/demo.yaml", base), 4) is None  # off by default
-    cfg = load_config("configs/demo.yaml", [*base, "logging.dump_rollouts_every=2"])
+    assert recorder_for_step(load_config("configs/smoke.yaml", base), 4) is None  # off by default
+    cfg = load_config("configs/smoke.yaml", [*base, "logging.dump_rollouts_every=2"])
     assert recorder_for_step(cfg, 3) is None and recorder_for_step(cfg, 4) is not None
 
 
 def test_every_loss_kind_dumps_in_its_own_row_chunks():
     base = ["model.path=m", "data.path=d", "logging.dump_rollouts_every=1", "prompts.privileged=[text]"]
-    assert recorder_for_step(load_config("configs/demo.yaml", [*base, "loss.chunk_size=7"]), 1).chunk_size == 7
+    assert recorder_for_step(load_config("configs/smoke.yaml", [*base, "loss.chunk_size=7"]), 1).chunk_size == 7
     for kind in ("tinker", "sft"):  # no chunk_size setting: the rows their token logprobs take at once
-        assert recorder_for_step(load_config("configs/demo.yaml", [*base, f"loss={{kind: {kind}}}"]), 1).chunk_size == 1024
+        assert recorder_for_step(load_config("configs/smoke.yaml", [*base, f"loss={{kind: {kind}}}"]), 1).chunk_size == 1024

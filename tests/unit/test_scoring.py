@@ -13,7 +13,8 @@ from opsd.loss import generalized_jsd, tinker_loss, token_logprobs
 from opsd.loss_kinds import build_loss, weighted_loss
 from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from opsd.scoring import Scoring, UnsupportedModelError, check_scoring_matches_forward, completion_logits
+from opsd.scoring import (Scoring, UnsupportedModelError, check_scoring_matches_forward, completion_logits,
+                          packs_shared_prompts, pad_token_id)
 from opsd.sequences import EncodedPrompt, collate
 from tests.helpers.examples import text_examples, text_model
 
@@ -24,7 +25,7 @@ def model_and_processor(tiny_text_dir):
 
 
 def scoring(cfg, processor, **settings) -> Scoring:
-    return Scoring(build_loss(cfg), pad_id=processor.pad_token_id, **settings)
+    return Scoring(build_loss(cfg), pad_id=pad_token_id(processor), **settings)
 
 
 def test_completion_logits_are_the_full_forward_at_the_completion_positions(model_and_processor):
@@ -41,7 +42,17 @@ def test_completion_logits_are_the_full_forward_at_the_completion_positions(mode
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_sharing_a_prompt_forward_gives_the_same_scores_and_gradients(model_and_processor, attention):
-    model, processor = model_and_processor
+    assert_sharing_a_prompt_forward_changes_nothing(*model_and_processor, attention)
+
+
+def test_an_idefics3_model_shares_the_forward_of_its_text_only_prompts(tiny_vlm_dir):
+    """A picture-facts student's prompts hold no image: the Idefics3 model packs them as a text model."""
+    model, processor = text_model(tiny_vlm_dir)
+    assert packs_shared_prompts(model)
+    assert_sharing_a_prompt_forward_changes_nothing(model, processor, "sdpa")
+
+
+def assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention):
     model.config._attn_implementation = attention
     base = text_examples(processor, [3, 5, 4, 2])
     # Two samples of each prompt: the examples share their prompt objects, as build_examples pairs them.
@@ -55,7 +66,7 @@ def test_sharing_a_prompt_forward_gives_the_same_scores_and_gradients(model_and_
             score = scoring(cfg, processor, packed_row_tokens=1024 if share else None)
             scored = score.micro_batch(model, model, examples)
             scored.token_losses(score.loss).sum().backward()
-            results.append((scored, [p.grad.clone() for p in model.parameters()]))
+            results.append((scored, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     finally:
         model.config._attn_implementation = "sdpa"
         model.zero_grad()

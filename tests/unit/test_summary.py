@@ -60,6 +60,26 @@ def test_the_summary_says_what_moved_and_what_did_not():
     assert "nothing to compare" in what_it_showed({})
 
 
+def test_the_summary_holds_held_out_accuracy_at_step_0_and_the_end_beside_the_teacher_prompts(tmp_path):
+    records = [
+        {"step": 0, "eval/accuracy": 0.0, "eval/teacher_accuracy": 0.71875, "eval/num_samples": 64},
+        {"step": 4, "loss": 0.3, "eval/accuracy": 0.125, "eval/teacher_accuracy": 0.6, "eval/num_samples": 64},
+        {"step": 8, "loss": 0.2, "eval/accuracy": 0.234375, "eval/teacher_accuracy": 0.546875, "eval/num_samples": 64},
+    ]
+    summary = run_summary(records, output_dir=tmp_path, wall_time_s=10.0, see_also="make learn: the controls")
+    held_out = json.loads(write_summary(tmp_path, summary).read_text())["held_out_accuracy"]
+    assert held_out["items"] == 64 and held_out["student"]["gain_points"] == 23.44
+    assert (held_out["student"]["first"], held_out["student"]["first_step"]) == (0.0, 0)
+    assert (held_out["student"]["last"], held_out["student"]["last_step"]) == (0.234375, 8)
+    assert held_out["teacher_prompt"]["first"] == 0.71875
+    lines = format_summary(summary).splitlines()
+    assert lines[2] == ("  held-out accuracy (64 questions, greedy): student 0.0% at step 0 -> 23.4% at step 8 "
+                        "(+23.4 points); with the teacher's prompt 71.9% at step 0, 54.7% at step 8")
+    assert lines[-1] == "  see also: make learn: the controls"
+    one_eval = run_summary(records[:1], output_dir=tmp_path, wall_time_s=1.0)
+    assert one_eval["held_out_accuracy"] is None and "held-out" not in format_summary(one_eval)
+
+
 def mismatch_records(values, start=1):
     return [{"step": start + i, "loss": 0.1, "logprob_mismatch_mean": v} for i, v in enumerate(values)]
 

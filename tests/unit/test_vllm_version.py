@@ -35,6 +35,6 @@ def test_the_server_samples_with_the_requested_settings_only(tiny_vlm_dir):
     from opsd.config import load_config
     from opsd.rollout.serve import serve_command
 
-    cfg = load_config("configs/demo.yaml", [f"model.path={tiny_vlm_dir}", "rollout.engine=server"])
+    cfg = load_config("configs/smoke.yaml", [f"model.path={tiny_vlm_dir}", "rollout.engine=server"])
     argv, _ = serve_command(cfg, str(tiny_vlm_dir))
     assert argv[argv.index("--generation-config") + 1] == "vllm"
