@@ -411,8 +411,10 @@ def describe_memory(cfg: Config, world_size: int, device_gb: float | None) -> st
     try:
         return plan_memory(cfg, world_size, device_gb).describe()
     except FileNotFoundError as err:
-        if cfg.model.build:
+        if cfg.model.build and not (Path(cfg.model.path) / "config.json").is_file():
             return f"memory plan: skipped, {cfg.model.path} is built at the first run (model.build: {cfg.model.build})"
+        if cfg.teacher.build:
+            return f"memory plan: skipped, {cfg.teacher.path} is built at the first run (teacher.build: {cfg.teacher.build})"
         return f"memory plan: skipped, {err}"
 
 
