@@ -184,7 +184,9 @@ class DataConfig:
     @model_validator(mode="after")
     def _check_one_source(self) -> "DataConfig":
         if (self.path is None) == (not self.datasets):
-            raise ValueError("give either data.path (one dataset directory) or data.datasets, not both or neither")
+            raise ValueError("give either data.path (one dataset directory, with data.synthetic to generate it) or "
+                             "data.datasets, not both or neither: to use data.datasets over a config with data.path, "
+                             "also set data.path=null data.synthetic=null")
         if self.synthetic is not None and self.path is None:
             raise ValueError("data.synthetic goes with data.path; in data.datasets, set synthetic per dataset")
         return self
@@ -318,6 +320,10 @@ class RolloutConfig:
         raise ValueError(f"must be one of {', '.join(BUILTIN_ENGINES)} or an import path 'package.module:ClassName'")
 
 
+MAX_JSD_TEMPERATURE = 1.8e19
+"""The largest `loss.temperature` of `jsd` whose square (the term's scale) is finite in float32 (3.4e38)."""
+
+
 @dataclass(config=_STRICT)
 class JsdLossConfig:
     """`loss.kind: jsd`, the OPSD reference: the generalized JSD between the student's and the teacher's
@@ -328,7 +334,8 @@ class JsdLossConfig:
     beta: Probability = 0.5
     """0 = KL(teacher || student), 1 = KL(student || teacher), else generalized JSD."""
     temperature: Positive = 1.0
-    """Both distributions are softened by this temperature; the term is scaled by its square."""
+    """Both distributions are softened by this temperature; the term is scaled by its square (which
+    must be finite in float32: at most `MAX_JSD_TEMPERATURE`)."""
     top_k: Annotated[int, Field(ge=0)] = 256
     """Restrict to the teacher's top-k tokens, renormalised on both sides; 0 = full vocabulary."""
     token_clip: NonNegative = 0.05
@@ -341,6 +348,14 @@ class JsdLossConfig:
     """Weight of cross-entropy on the sampled completion tokens."""
     chunk_size: Annotated[int, Field(gt=0)] = 1024
     """Completion tokens processed at once in the loss: bounds its float32 [chunk, vocabulary] memory."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite_scale(cls, temperature: float) -> float:
+        if temperature > MAX_JSD_TEMPERATURE:
+            raise ValueError("cannot give a finite loss: the term is scaled by the temperature's "
+                             f"square, which overflows float32 above {MAX_JSD_TEMPERATURE:.3g}")
+        return temperature
 
 
 @dataclass(config=_STRICT)
@@ -458,13 +473,14 @@ class OptimConfig:
     """AdamW with a linear warm-up, then a cosine decay to `min_lr` or a constant rate."""
 
     lr: Positive = 1e-5
-    """Peak learning rate, reached after `warmup_steps`."""
+    """Peak learning rate, reached at step `warmup_steps` (at step 1 without a warm-up)."""
     min_lr: NonNegative = 1e-7
     """Learning rate at `train.max_steps` for the cosine schedule (at most `lr`)."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """After the warm-up: `cosine` decay to `min_lr`, or `constant` at `lr`."""
     warmup_steps: Annotated[int, Field(ge=0)] = 0
-    """Optimizer steps of linear warm-up from 0 to `lr`."""
+    """Optimizer steps of linear warm-up: step s of them trains at `lr * s / warmup_steps` (step 1
+    above 0), the last at `lr`; the plan warns when `train.max_steps` does not go past them."""
     betas: tuple[Probability, Probability] = (0.9, 0.95)
     """AdamW's moment decay rates."""
     eps: Positive = 1e-15
@@ -494,6 +510,10 @@ class TrainConfig:
     to a short prompt, measure (bench/step_profile.py) or set false."""
     seed: int = 0
     """Seeds the data order, the sampling (per step and prompt) and the global RNGs."""
+    max_bad_steps: Annotated[int, Field(gt=0)] = 3
+    """Steps in a row whose loss or gradient norm is not finite (NaN, inf) before the run stops with
+    an error (status 2) and a checkpoint of the last good weights. Such a step is never applied: no
+    optimizer step, no teacher update, no weight sync (docs/faults.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's models live; `auto` = CUDA when available."""
 
@@ -758,19 +778,27 @@ def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key, msg, value = _located(e)
-        shown = e["type"] != "missing" and not isinstance(value, dict)
+        shown = e["type"] != "missing" and not (isinstance(value, dict) and len(repr(value)) > 80)  # not a whole section
         lines.append(f"{key}: {msg}" + (f" (got {value!r})" if shown else ""))
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` -> (["a", "b", "c"], value parsed as a YAML scalar)."""
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML). A mapping is written in flow style
+    (`loss={kind: sft}`); a value YAML would read as a block mapping (`Fact:`, `Note: x`), or cannot
+    read, is the text."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
     key, raw = item.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r} has an empty key part")
-    return key.split("."), yaml.safe_load(raw) if raw else ""
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:  # `Note: a: b`: no YAML value, so the text (a bad value is then shown with it)
+        value = raw
+    if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+        value = raw
+    return key.split("."), value
 
 
 def _list_index(node: list, part: str, item: str) -> int:
@@ -779,8 +807,24 @@ def _list_index(node: list, part: str, item: str) -> int:
     return int(part)
 
 
+DATA_SOURCES = {("data", "path"): [("data", "datasets")], ("data", "datasets"): [("data", "path"), ("data", "synthetic")]}
+"""An override naming the data one way replaces the file's other way (`data.datasets=[...]` over a
+config with `data.path` and `data.synthetic` drops both), unless the same command line sets it too."""
+
+
+def _replace_data_source(raw: dict, overrides: list[str]) -> None:
+    keys = {tuple(parse_override(item)[0]) for item in overrides}
+    data = raw.get("data")
+    for key, others in DATA_SOURCES.items():
+        if key in keys and isinstance(data, dict):
+            for other in others:
+                if other not in keys:
+                    data.pop(other[1], None)
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Set each `a.b.c=value`; a number indexes a list (`data.datasets.0.path=...`)."""
+    _replace_data_source(raw, overrides)
     for item in overrides:
         path, value = parse_override(item)
         node = raw

@@ -47,6 +47,16 @@ def merge_adapter(adapter_dir: Path, out: Path, base: str | None = None) -> None
     processor.save_pretrained(out)
 
 
+def readable_by_others(directory: Path) -> None:
+    """Give every file and folder under `directory` the mode a new one gets from the umask (0644 /
+    0755 under the usual 022): safetensors writes its files 0600, which other users and tools sharing
+    the exported model could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [directory, *directory.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, ema: bool = False, merge: bool = False,
                       base: str | None = None) -> Path:
     """Copy the verified model directory of `checkpoint` (a checkpoint or a run directory) to `out`;
@@ -68,6 +78,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, ema: bool = Fa
         merge_adapter(source / role, tmp, base)
     else:
         shutil.copytree(source / role, tmp)
+    readable_by_others(tmp)
     if out.exists():
         out.rmdir()
     os.rename(tmp, out)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import struct
 from pathlib import Path
 
 import torch
@@ -10,6 +13,29 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from opsd.config import ConfigError, ModelConfig, TeacherConfig
 from opsd.prompts import is_multimodal, tokenizer_of
 from opsd.vl_processor import load_image_only_processor
+
+
+class DefaultConfigWarning(logging.Filter):
+    """Drops transformers' warning about a config it builds itself: to save, print or compare any
+    Idefics3 config it diffs it against a default `Idefics3Config()` (`to_diff_dict`), whose
+    pad_token_id 128002 lies outside the default Llama vocabulary of 32000, so every load of an
+    Idefics3 model (the tiny VLM, SmolVLM), `--dry-run` included, warned about a config that is not
+    the user's. The same warning about a loaded config (another id or vocabulary) still shows."""
+
+    MESSAGE = "Model config: pad_token_id must be `None` or an integer within the vocabulary (between 0 and 31999), got 128002."
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.MESSAGE)
+
+
+def quiet_default_config_warning() -> None:
+    """Install `DefaultConfigWarning` on the transformers logger that emits it (once per process)."""
+    logger = logging.getLogger("transformers.configuration_utils")
+    if not any(isinstance(f, DefaultConfigWarning) for f in logger.filters):
+        logger.addFilter(DefaultConfigWarning())
+
+
+quiet_default_config_warning()  # at import: the warning comes from transformers' own default instance
 
 
 def prepare_model_dir(cfg: ModelConfig) -> str:
@@ -39,7 +65,50 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
         missing = "config.json missing" if path.is_dir() else "no such directory"
         raise ConfigError(f"model.path: no Hugging Face model directory at {path} ({missing}); set model.path to "
                           "a model directory, or model.build to build one there")
+    if path.is_dir():
+        check_weight_files(path)
     return cfg.path
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Every safetensors file of a local model directory is whole: its header parses and its size is
+    what the header says. Caught here, a truncated or garbled file is one line naming it, before any
+    engine or loader reads it (they fail deep inside, each in its own words)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as err:
+            raise ConfigError(f"model.path: {index} is corrupt ({type(err).__name__}: {err})") from None
+        for shard in shards:
+            if not (model_dir / shard).is_file():
+                raise ConfigError(f"model.path: {model_dir / shard} is missing ({index.name} lists it)")
+    for file in sorted(model_dir.glob("*.safetensors")):
+        problem = _safetensors_problem(file)
+        if problem:
+            raise ConfigError(f"model.path: {file} is corrupt: {problem}; restore it (or rebuild the directory: "
+                              "model.build builds it again when config.json is missing)")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file's framing (8-byte header length, JSON header, data of the
+    size the header's offsets say), or None. The tensors' bytes themselves are not checked."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a safetensors header"
+        length = struct.unpack("<Q", head)[0]
+        if length > size - 8:
+            return f"its header says {length} bytes of metadata, the file has {size} bytes (truncated or garbled)"
+        try:
+            header = json.loads(f.read(length))
+            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+            return f"its header is not safetensors metadata ({type(err).__name__}; garbled)"
+    if 8 + length + end != size:
+        return f"{size} bytes, its header says {8 + length + end} ({'truncated' if size < 8 + length + end else 'trailing bytes'})"
+    return None
 
 
 def load_processor(cfg: ModelConfig):

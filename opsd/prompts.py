@@ -82,6 +82,15 @@ def student_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
 
 
 def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
+    parts, privileged_images = teacher_parts(sample, cfg)
+    prompt = render_prompt(processor, cfg.system, parts)
+    if cfg.noise == "normal":
+        prompt.noise_last_images = len(privileged_images)
+    return prompt
+
+
+def teacher_parts(sample: Sample, cfg: PromptConfig) -> tuple[list[str | Image.Image], list[Image.Image]]:
+    """The teacher's user turn (strings and images in order), and the privileged images in it."""
     parts: list[str | Image.Image] = [*sample.images, sample.question]
     privileged_images = sample.privileged_images if "images" in cfg.privileged else []
     if cfg.noise != "off":
@@ -97,10 +106,29 @@ def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
         parts += [f"Reference answer: {sample.answer}"]
     if cfg.transition:
         parts.append(cfg.transition)
-    prompt = render_prompt(processor, cfg.system, parts)
-    if cfg.noise == "normal":
-        prompt.noise_last_images = len(privileged_images)
-    return prompt
+    return parts, privileged_images
+
+
+def describe_prompts(sample: Sample, cfg: PromptConfig, *, width: int = 72) -> str:
+    """Both prompts of `sample` as the plan shows them: the system message (up to 3 x `width`
+    characters: it sets the answer format) and each part of the user turn before the chat template,
+    cut to `width` characters, images as `<image>` (privileged ones `<privileged image>`), parts
+    separated by ` | `."""
+    def clip(text: str, width: int = width) -> str:
+        text = text.replace("\n", "\\n")
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    def outline(parts: list) -> str:
+        problem = {id(image) for image in sample.images}
+        return " | ".join(clip(p) if isinstance(p, str) else "<image>" if id(p) in problem else "<privileged image>"
+                          for p in parts)
+
+    return "\n".join([
+        f"  first sample {sample.id!r}, before the chat template:",
+        f"    system:  {clip(cfg.system, 3 * width)}",
+        f"    student: {outline([*sample.images, sample.question])}",
+        f"    teacher: {outline(teacher_parts(sample, cfg)[0])}",
+    ])
 
 
 def noise_like(image: Image.Image, *, seed: str) -> Image.Image:

@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 import warnings
-from contextlib import ExitStack, closing, suppress
+from contextlib import ExitStack, closing, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,9 @@ import yaml
 from tqdm.auto import tqdm
 
 from opsd.config import Config, ConfigError, config_to_dict, load_config
-from opsd.data.dataset import describe_data, train_stream
-from opsd.data.errors import BadSampleError
+from opsd.data.dataset import describe_data, peek_data, train_stream
+from opsd.data.errors import BadSample, BadSampleError
+from opsd.data.sample import Sample
 from opsd.data.stream import SampleStream
 from opsd.device import process_rank, process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
@@ -40,7 +41,7 @@ from opsd.modeling import (
     vision_parameter_names,
 )
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
-from opsd.prompts import is_multimodal, student_prompt, teacher_prompt
+from opsd.prompts import describe_prompts, is_multimodal, student_prompt, teacher_prompt
 from opsd.rollout import RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
@@ -52,17 +53,20 @@ from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
+from opsd.trainer.output_lock import OutputDirInUse, output_dir_lock
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
-from opsd.trainer.optim import build_optimizer, build_scheduler
+from opsd.trainer.optim import build_optimizer, build_scheduler, warmup_warning
 from opsd.trainer.rng import seed_everything
-from opsd.trainer.step import TrainStep
+from opsd.trainer.step import NonFiniteStepsError, TrainStep
 from opsd.trainer.stop import EXIT_STOPPED, RunStopped, StepStart, StopRequest, signal_name, stop_on_signals
 from opsd.trainer.summary import format_summary, read_records, run_summary, write_summary
 
 
 def train(cfg: Config) -> Path:
     """Train to `train.max_steps`; raises `RunStopped` after a clean stop on a signal."""
-    with third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file, \
+    # One run per output directory, taken before anything in it is touched (rank 0 holds it for the job).
+    lock = output_dir_lock(cfg.logging.output_dir) if process_rank() == 0 else nullcontext()
+    with lock, third_party_output(cfg.logging.output_dir, verbose=cfg.logging.verbose) as log_file, \
             stop_on_signals(announce=process_rank() == 0) as stop:
         run = start_run(cfg, log_file)
         try:
@@ -96,6 +100,11 @@ def train_steps(run: Run, stop: StopRequest) -> RunStopped | None:
         if trained.metrics is None:  # no rank has anything to train on: all ranks skipped the update together
             finish_step(run, step, {"skipped_step": 1, **trained.counts, "lr": lr, **timer.record()})
             continue
+        if trained.metrics.get("nonfinite_step"):  # not applied: the engine keeps the last good weights
+            finish_step(run, step, {**trained.metrics, **trained.counts, "lr": lr, **timer.record()})
+            check_bad_steps(run, step)
+            continue
+        run.bad_steps = 0
         with timer("weight_sync"):  # the next rollouts are on-policy; a frozen vision tower stays as synced
             sync = sync_student(run.student, run.engine, bucket_mb=cfg.rollout.sync_bucket_mb, lora_sync=cfg.rollout.lora_sync,
                                 exclude=run.frozen)
@@ -131,7 +140,7 @@ def training_stage(run: "Run", rollout: Rollout, step: int, timer: StageTimer) -
         run.engine.release_memory()
     with timer("train"):
         metrics = update_student(run, examples, step_tokens, recorder, rollout.samples[0], timer.part)
-        advance_schedules(run, timer.part)
+        advance_schedules(run, timer.part, teacher=not metrics.get("nonfinite_step"))
     return Trained(metrics, counts, examples, recorder)
 
 
@@ -162,6 +171,8 @@ class Run:
     last_step: int = 0
     """The last step finished (logged, saved when due)."""
     last_record: dict = field(default_factory=dict)
+    bad_steps: int = 0
+    """Steps in a row not applied for a non-finite loss or gradient norm (`train.max_bad_steps`)."""
 
 
 def start_run(cfg: Config, log_file: Path) -> Run:
@@ -178,6 +189,8 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     # Datasets are opened (and checked against the config) before any weights are loaded.
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor), sharded=ranks.enabled)
+    if ranks.is_main:
+        print(describe_first_sample(first_row(stream), cfg), flush=True)
     evaluator = Evaluator(cfg, processor, check=check, multimodal=is_multimodal(processor)) if cfg.eval.every else None
     with native_output_to_log(None if cfg.logging.verbose else log_file):
         engine = make_engine(cfg, model_dir, processor)
@@ -239,14 +252,39 @@ def update_student(run: Run, examples: list[Example], step_tokens: int, recorder
     return run.step(examples, step_tokens, padding, recorder.collect if recorder else None, timed)
 
 
-def advance_schedules(run: Run, timed: Timed = untimed) -> None:
+def advance_schedules(run: Run, timed: Timed = untimed, *, teacher: bool = True) -> None:
     """The LR schedule and the EMA teacher move one step on every step, the skipped ones included
-    (an EMA toward unchanged weights), so that both stay functions of the step count."""
+    (an EMA toward unchanged weights), so that both stay functions of the step count. A step that
+    was not applied (a non-finite loss, `teacher=False`) moves the schedule only."""
     with timed("lr_schedule"), warnings.catch_warnings():  # a first step skipped calls the schedule before any optimizer step
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
         run.scheduler.step()
-    with timed("teacher_update"):
-        run.teacher.update(run.student)
+    if teacher:
+        with timed("teacher_update"):
+            run.teacher.update(run.student)
+
+
+def check_bad_steps(run: Run, step: int) -> None:
+    """After a step that was not applied: say so; `train.max_bad_steps` of them in a row stop the run
+    with a checkpoint of the last good weights (the bad steps changed nothing)."""
+    run.bad_steps += 1
+    limit, record = run.cfg.train.max_bad_steps, run.last_record
+    values = f"loss {record.get('loss')}, grad_norm {record.get('grad_norm')}"
+    if run.ranks.is_main:
+        tqdm.write(f"WARNING: step {step}: {values}: not finite, the update was not applied "
+                   f"({run.bad_steps} in a row; train.max_bad_steps={limit} stops the run)")
+    if run.bad_steps < limit:
+        return
+    checkpoints = run.checkpoints
+    if checkpoints.last_saved_step != step:
+        checkpoints.save(step, record)
+    first = step - run.bad_steps + 1
+    raise NonFiniteStepsError(
+        f"steps {first}-{step} had a non-finite loss or gradient norm ({values}) and were not applied: "
+        f"train.max_bad_steps={limit} in a row stops the run. checkpoint-{step} holds the weights after step "
+        f"{first - 1}; lower optim.lr (now {run.cfg.optim.lr:g}) or check the data, then continue with "
+        "checkpoint.resume_from=auto"
+    )
 
 
 def baseline_evaluation(run: Run) -> None:
@@ -374,20 +412,27 @@ def rank_padding(cfg: Config, processor, sample, pad_id: int):
 
 
 def describe_plan(cfg: Config) -> str:
-    t, r = cfg.train, cfg.rollout
+    t, r, loss = cfg.train, cfg.rollout, build_loss(cfg.loss)
+    # A kind that neither samples nor asks a teacher (sft) uses the engine for evaluation only.
+    sampling = (f"up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}" if loss.on_policy
+                else f"no sampling (loss {cfg.loss.kind}); {'greedy evaluation only' if cfg.eval.every else 'unused'}")
+    model_teacher = f" {cfg.teacher.path} ({cfg.teacher.dtype})" if cfg.teacher.path else ""
+    teacher = f"teacher {cfg.teacher.mode}{model_teacher}" if loss.needs_teacher else f"no teacher (loss {cfg.loss.kind})"
     return "\n".join([
         f"plan: {t.max_steps} optimizer steps x {cfg.prompts_per_step} prompts x {r.samples_per_prompt} samples "
         f"({t.grad_accum_steps} micro-steps of {cfg.micro_batch_size} sequences)",
         f"  model {cfg.model.path} ({cfg.model.dtype}{', built if missing: ' + cfg.model.build if cfg.model.build else ''})",
-        f"  rollout engine {r.engine}: up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}",
+        f"  rollout engine {r.engine}: {sampling}",
         f"  {describe_lora(cfg)}",
-        f"  teacher {cfg.teacher.mode}{f' {cfg.teacher.path} ({cfg.teacher.dtype})' if cfg.teacher.path else ''}; privileged {'+'.join(cfg.prompts.privileged)}"
+        f"  {teacher}; privileged {'+'.join(cfg.prompts.privileged)}"
         f"{f' ({cfg.prompts.noise} noise ablation)' if cfg.prompts.noise != 'off' else ''}",
-        f"  loss {cfg.loss.kind}: {build_loss(cfg.loss).describe()}",
-        f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})",
+        f"  loss {cfg.loss.kind}: {loss.describe()}",
+        f"  optim AdamW lr={cfg.optim.lr} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}, min {cfg.optim.min_lr})"
+        + (f"\n  {warning}" if (warning := warmup_warning(cfg.optim, t.max_steps)) else ""),
         f"  data {describe_data(cfg.data)}; bad samples: {cfg.data.on_bad_sample}",
         f"  eval {f'every {cfg.eval.every} steps on {cfg.eval.num_samples} samples' if cfg.eval.every else 'off'}"
-        f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}",
+        f"{' (student and teacher prompts)' if cfg.eval.every and cfg.eval.with_teacher_prompt else ''}"
+        f"{f', answer pattern {cfg.eval.answer_pattern}' if cfg.eval.every else ''}",
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
         f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
         f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
@@ -395,6 +440,23 @@ def describe_plan(cfg: Config) -> str:
         f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
         f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
     ])
+
+
+def first_row(stream: SampleStream) -> Sample | BadSample:
+    """Row 0 of the first dataset's first file, the sample `--dry-run` shows too."""
+    try:
+        return stream.sources[0].sample(0)
+    except BadSample as bad:
+        return bad
+
+
+def describe_first_sample(first: Sample | BadSample | None, cfg: Config) -> str:
+    """The plan's view of the prompts: the first row's student and teacher prompts."""
+    if first is None:
+        return "  first sample: not shown, the data is not here yet (the run shows it at start)"
+    if isinstance(first, BadSample):
+        return f"  first sample: row 0 of the first dataset is not a usable sample ({first}); data.on_bad_sample decides"
+    return describe_prompts(first, cfg.prompts)
 
 
 def describe_lora(cfg: Config) -> str:
@@ -444,8 +506,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
+        try:  # the files, splits and columns, from the first rows of each split (seconds, not a full read)
+            data_lines, first = peek_data(cfg, with_eval=cfg.eval.every > 0)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         print(describe_plan(cfg))
+        print("\n".join([*(f"  data check: {line}" for line in data_lines), describe_first_sample(first, cfg)]))
         print(describe_memory(cfg, args.world_size or process_world_size(), args.gpu_memory_gb or detected_device_gb()))
         return 0
     try:
@@ -454,9 +522,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return 0 if run_check(cfg) else 1
         train(cfg)
-    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError) as err:
+    except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, NonFiniteStepsError, OutputDirInUse) as err:
         # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce,
-        # a failed save (the disk)
+        # a failed save (the disk), a loss that stayed non-finite, an output directory in use
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RunStopped as stopped:  # the status tells the scheduler; the line tells the user

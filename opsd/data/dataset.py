@@ -151,12 +151,25 @@ def _split_files(path: Path, split: str, where: str) -> list[str]:
             found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
         except Exception as err:  # EmptyDatasetError, FileNotFoundError
             raise DataConfigError(f"{where}: no data files in {path} ({err})") from None
-        return list(found[_pick_split(split, [str(s) for s in found], where)])
+        # `datasets` scans the folder recursively and matches split names anywhere in a file's name:
+        # images beside the data (`vis/img/train_0.png`) are no split's rows.
+        data_files = {str(s): [f for f in fs if is_data_file(f)] for s, fs in found.items()}
+        data_files = {s: fs for s, fs in data_files.items() if fs}
+        if not data_files:
+            others = sorted(Path(f).name for fs in found.values() for f in fs)
+            raise DataConfigError(f"{where}: no data files ({', '.join(BUILDERS)}) in {path}, only "
+                                  f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}")
+        return data_files[_pick_split(split, list(data_files), where)]
     files = sorted(glob.glob(str(path), recursive=True))
     if not files:
         raise DataConfigError(f"{where}: no file matches {path}")
     _pick_split(split, ["train"], f"{where} ({path} is a glob, its split is train)")
     return files
+
+
+def is_data_file(file: str) -> bool:
+    """A file whose rows a dataset folder holds (by suffix, `BUILDERS`): not an image beside them."""
+    return Path(file).suffix.lower() in BUILDERS
 
 
 def _load_file(file: str, where: str):
@@ -219,6 +232,112 @@ def open_source(cfg: Config, key: str, dataset: DatasetConfig, split: str, stats
     table = table.select_columns(plan.all_columns()).with_format("arrow")
     rules = SampleRules.from_config(cfg.data, plan)
     return RowSource(name=f"{name}[{split}]", table=table, plan=plan, rules=rules, files=files, stats=stats)
+
+
+PEEK_ROWS = 8
+"""Rows `peek_source` reads of a split's first file."""
+
+
+def _peek_file(file: str, where: str):
+    """The first `PEEK_ROWS` rows of one data file as a `datasets.Dataset`, without reading the rest."""
+    import json
+
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    suffix = Path(file).suffix.lower()
+    if suffix not in BUILDERS:
+        raise DataConfigError(f"{where}: {file}: unsupported file type (supported: {', '.join(BUILDERS)})")
+    try:
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            batch = next(pq.ParquetFile(file).iter_batches(batch_size=PEEK_ROWS), None)
+            table = pa.Table.from_batches([batch]) if batch is not None else pq.read_schema(file).empty_table()
+        elif suffix == ".csv":
+            import pyarrow.csv
+
+            reader = pyarrow.csv.open_csv(file)
+            table = pa.Table.from_batches([reader.read_next_batch()]).slice(0, PEEK_ROWS)
+        elif suffix == ".arrow":
+            mapped = datasets.Dataset.from_file(file)  # memory-mapped
+            return mapped.select(range(min(PEEK_ROWS, len(mapped))))
+        else:  # json lines; a .json file that is one JSON document is read whole
+            with open(file, encoding="utf-8") as f:
+                lines = [line for line in itertools.islice(f, PEEK_ROWS * 4) if line.strip()][:PEEK_ROWS]
+            try:
+                table = pa.Table.from_pylist([json.loads(line) for line in lines])
+            except ValueError:
+                whole = _load_file(file, where)
+                return whole.select(range(min(PEEK_ROWS, len(whole))))
+    except DataConfigError:
+        raise
+    except Exception as err:  # a file that is not what its suffix says
+        raise DataConfigError(f"{where}: cannot read {file}: {type(err).__name__}: {err}") from None
+    return datasets.Dataset(InMemoryTable(table))
+
+
+def peek_source(cfg: Config, key: str, dataset: DatasetConfig, split: str) -> RowSource | str:
+    """`open_source` on the first rows of the split's first file (a hub or `save_to_disk` dataset:
+    memory-mapped, as it is read anyway), for `--dry-run`: the files, the split and the columns are
+    checked in seconds, whatever the dataset's size; the rows themselves are not. A dataset that is
+    not here (a synthetic one the first run generates, a path or hub name absent on this machine:
+    a plan made away from the data) is a line saying so; one that is here and does not fit raises."""
+    name = dataset.name or dataset.path
+    where = f"{key} ({name})"
+    path = Path(dataset.path).expanduser()
+    if dataset.synthetic is not None and not (path.is_dir() and any(path.iterdir())):
+        return "synthetic, generated at the first run"
+    if not path.exists() and (not glob.has_magic(dataset.path) or not glob.glob(str(path), recursive=True)):
+        with _quiet_and_offline():
+            try:
+                table, files = _load_table(dataset, split, where)  # a hub name in the local cache
+            except DataConfigError:
+                return "WARNING: not found on this machine (no such path, nor a dataset in the local cache): not checked"
+        table = table.select(range(min(PEEK_ROWS, len(table))))
+    elif path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        table, files = _load_table(dataset, split, where)  # save_to_disk: memory-mapped
+        table = table.select(range(min(PEEK_ROWS, len(table))))
+    else:
+        with _quiet_and_offline():
+            found = _split_files(path, split, where)
+            for file in found[1:]:
+                if not is_data_file(file):
+                    raise DataConfigError(f"{where}: {file}: unsupported file type (supported: {', '.join(BUILDERS)})")
+            table = _peek_file(found[0], where)
+            files = [(found[0], len(table))]
+    plan = plan_columns(
+        dataset.schema, list(table.column_names), overrides=dict(dataset.columns),
+        max_reference_rounds=cfg.data.max_reference_rounds, privileged=list(cfg.prompts.privileged), where=where,
+    )
+    if len(table) == 0:
+        raise DataConfigError(f"{where}: split {split} has no rows")
+    table = table.select_columns(plan.all_columns()).with_format("arrow")
+    return RowSource(name=f"{name}[{split}]", table=table, plan=plan, rules=SampleRules.from_config(cfg.data, plan),
+                     files=files, stats=Counter())
+
+
+def peek_data(cfg: Config, *, with_eval: bool) -> tuple[list[str], Sample | BadSample | None]:
+    """What `--dry-run` says of the data: a line per split checked, and the first training row as a
+    sample (a `BadSample` when it is not one; None when no dataset exists yet). A dataset that does
+    not fit the config raises `DataConfigError`, as the run would at start."""
+    lines, first = [], None
+    for key, dataset in dataset_configs(cfg.data):
+        splits = [dataset.split] + ([dataset.eval_split] if with_eval and dataset.eval_split else [])
+        for split in splits:
+            source = peek_source(cfg, key, dataset, split)
+            if isinstance(source, str):
+                lines.append(f"{key} ({dataset.name or dataset.path}): {source}")
+                break
+            shown = ", ".join(file for file, _ in source.files)
+            lines.append(f"{key} ({source.name}): columns fit the {dataset.schema} schema (first rows of {shown})")
+            if first is None:
+                try:
+                    first = source.sample(0)
+                except BadSample as bad:
+                    first = bad
+    return lines, first
 
 
 def check_fits_model(sources: list[RowSource], multimodal: bool, *, sharded: bool = False) -> None:

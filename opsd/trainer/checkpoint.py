@@ -10,7 +10,7 @@
                            `train_state`); with LoRA only the trainable (adapter) weights
     rng/rank-{r}.pt        each rank's RNG states
     trainer_state.json     step, config, data position, best metric, counters, wandb run id
-    opsd_checkpoint.json   manifest, written last: model fingerprint, every file with its size
+    opsd_checkpoint.json   manifest, written last: model fingerprint, every file with its size and sha256
 
 A save writes `checkpoint-{step}.tmp`, fsyncs every file, writes the manifest, then renames the
 directory: a crash at any point leaves either no `checkpoint-{step}` or a complete one.
@@ -36,6 +36,7 @@ import shutil
 import signal
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,8 +66,8 @@ TRAINER_STATE = "trainer_state.json"
 MODEL_DIR, TEACHER_DIR, TRAIN_STATE_DIR, RNG_DIR = "model", "teacher", "train_state", "rng"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 LEFTOVER_NAME = re.compile(r"^checkpoint-\d+\.(tmp|deleting)$")
-HASHED_FILE_MAX_BYTES = 16 << 20
-"""Files up to this size (configs, tokenizer, trainer state) are checked by sha256, larger ones by size."""
+HASH_THREADS = 8
+"""Files hashed at once when a checkpoint is written or verified (hashlib releases the GIL)."""
 FAULT_ENV = "OPSD_FAULT_INJECT"
 
 
@@ -286,22 +287,29 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _sha256(path: Path) -> str:
+    """The file's sha256, streamed in 8 MiB blocks: one pass, constant memory, whatever its size."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(8 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
+def _record(path: Path) -> dict:
+    """A written file's size and sha256, fsynced. Read right after it was written, it is in the page
+    cache: the hash costs one pass over memory, not a second read of the disk."""
+    _fsync(path)
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def _file_records(root: Path) -> dict[str, dict]:
-    """Every file under `root` with its size (and sha256 when small), each fsynced on the way."""
-    records = {}
+    """Every file under `root` with its size and sha256 (files hashed in parallel), each fsynced."""
+    paths = []
     for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            path = Path(dirpath) / name
-            _fsync(path)
-            size = path.stat().st_size
-            records[str(path.relative_to(root))] = {"size": size, **({"sha256": _sha256(path)} if size <= HASHED_FILE_MAX_BYTES else {})}
+        paths += [Path(dirpath) / name for name in filenames]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        records = dict(zip((str(p.relative_to(root)) for p in paths), pool.map(_record, paths)))
+    for dirpath, _, _ in os.walk(root):
         _fsync(Path(dirpath))
     return dict(sorted(records.items()))
 
@@ -317,13 +325,15 @@ def save_checkpoint(output_dir: Path, step: int, parts: TrainingParts, trainer_s
     final = checkpoint_path(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     try:
+        _in_step(_check_finite_weights, parts, step)
         _in_step(_begin_save, output_dir, step, tmp)
         _in_step(_write_states, tmp, step, parts)
         _in_step(_commit, tmp, final, step, parts, trainer_state)
     except (Exception, CheckpointException) as err:
+        error = save_error(output_dir, step, err)  # before the cleanup frees the space the save took
         if process_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise save_error(output_dir, step, err) from err
+        raise error from err
     return final
 
 
@@ -340,6 +350,19 @@ def _in_step(phase, *args) -> None:
         error = err
     if _any_rank(error is not None):
         raise error if error is not None else _OtherRankFailed()
+
+
+def _check_finite_weights(parts: TrainingParts, step: int) -> None:
+    """A checkpoint is never written with NaN or inf weights (this rank's shards of the student and
+    of a teacher copy): resuming from one would only train on NaN."""
+    modules = [("the student", parts.student)]
+    if parts.teacher.module is not None:
+        modules.append(("the teacher", parts.teacher.module))
+    for role, module in modules:
+        for name, param in module.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if not bool(torch.isfinite(local.detach()).all()):
+                raise CheckpointError(f"not saving checkpoint-{step}: {role}'s {name} holds non-finite values (NaN or inf)")
 
 
 def _begin_save(output_dir: Path, step: int, tmp: Path) -> None:
@@ -395,7 +418,8 @@ def _commit(tmp: Path, final: Path, step: int, parts: TrainingParts, trainer_sta
 # --- why a save failed --------------------------------------------------------------------------
 
 DISK_FULL_MB = 1.0
-"""Free space below this after a failed write: the disk was full, whatever error the writer raised."""
+"""Free space below this after a failed write (measured before its `.tmp` is removed): the disk was
+full, whatever error the writer raised."""
 _WRITER_FAILURES = ("inline_container", "IoError", "No space left", "os error", "Disk quota")
 """Words of the errors torch.save's zip writer and safetensors raise for a failed write (no OSError)."""
 
@@ -464,18 +488,21 @@ def read_manifest(path: Path) -> dict:
 
 
 def verify_checkpoint(path: Path, *, under: str = "") -> dict:
-    """The manifest, after checking that every file it lists (below `under`) is there and intact."""
+    """The manifest, after checking that every file it lists (below `under`) is there, of its size,
+    and with its content hash (every file; checkpoints of older opsd hashed only files up to 16 MiB)."""
     manifest = read_manifest(path)
-    for rel, record in manifest["files"].items():
-        if not rel.startswith(under):
-            continue
+    listed = {rel: record for rel, record in manifest["files"].items() if rel.startswith(under)}
+    for rel, record in listed.items():
         file = Path(path) / rel
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is corrupt: {rel} is missing")
         if file.stat().st_size != record["size"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: {rel} has {file.stat().st_size} bytes, the manifest says {record['size']}")
-        if "sha256" in record and _sha256(file) != record["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {rel} differs from the file that was saved (sha256)")
+    hashed = [rel for rel, record in listed.items() if "sha256" in record]
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        for rel, digest in zip(hashed, pool.map(lambda rel: _sha256(Path(path) / rel), hashed)):
+            if digest != listed[rel]["sha256"]:
+                raise CheckpointError(f"checkpoint {path} is corrupt: {rel} differs from the file that was saved (sha256)")
     return manifest
 
 

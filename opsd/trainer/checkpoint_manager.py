@@ -39,6 +39,7 @@ from opsd.trainer.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from opsd.trainer.optim import apply_on_resume
 from opsd.trainer.rng import set_rng_state
 
 # Settings that may change between a run and its resumption without a note.
@@ -175,8 +176,9 @@ class CheckpointManager:
             return 0
         changes = changed_settings(self.saved_state["config"], config_to_dict(self.cfg))
         if changes:
-            _say("settings differ from the checkpoint's run:\n  " + "\n  ".join(changes))
+            _say("settings differ from the checkpoint's run; this run uses the new values:\n  " + "\n  ".join(changes))
         load_checkpoint(self.source, parts)
+        apply_on_resume(self.cfg.optim, parts.optimizer, parts.scheduler)  # the saved state holds the old settings
         try:
             parts.stream.load_state_dict(self.saved_state["data_stream"])
         except ValueError as err:

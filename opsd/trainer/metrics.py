@@ -100,7 +100,9 @@ class MetricsLogger:
         if resume_step is None:
             self.file = self.path.open("w")
         else:
-            drop_records_after(self.path, resume_step)
+            dropped = drop_records_after(self.path, resume_step)
+            if dropped:
+                tqdm.write(dropped)
             self.file = self.path.open("a")
         self.wandb_run = None
         if cfg.wandb.mode != "disabled":
@@ -137,27 +139,31 @@ class MetricsLogger:
             self.wandb_run.finish()
 
 
-def drop_records_after(path: Path, step: int) -> None:
-    """Keep only the records of steps <= `step` (replaced atomically); nothing to do if absent.
-
-    A process killed while writing can leave a torn last line; it is dropped with the later records.
-    """
+def drop_records_after(path: Path, step: int) -> str | None:
+    """Before a resumed run appends: drop the records of steps after `step` (logged after the
+    checkpoint it continues from, before the run stopped) and lines that are not records (a torn
+    last line of a killed process); the file is replaced atomically, and only when there is
+    something to drop, whose description is returned. Otherwise the file is left as it is."""
     if not path.exists():
-        return
+        return None
     lines = path.read_text().splitlines()
-    kept = []
-    for number, line in enumerate(lines, 1):
+    kept, later, torn = [], [], 0
+    for line in lines:
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}, line {number}: not a JSON record") from None
-        if record["step"] <= step:
-            kept.append(line)
+            later_step = record["step"] > step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            torn += 1
+            continue
+        (later if later_step else kept).append((record["step"], line))
+    if not later and not torn:
+        return None
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(line + "\n" for _, line in kept))
     os.replace(tmp, path)
+    dropped = [f"{len(later)} record(s) of steps {later[0][0]}-{later[-1][0]}, logged after checkpoint-{step}"] if later else []
+    dropped += [f"{torn} line(s) that are not JSON records (a write cut short)"] if torn else []
+    return f"metrics: dropped {' and '.join(dropped)} from {path}; this run continues after step {step}"
 
 
 def format_line(record: dict) -> str:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
-from transformers.optimization import (
-    get_constant_schedule_with_warmup,
-    get_cosine_with_min_lr_schedule_with_warmup,
-)
 
 from opsd.config import OptimConfig
 
@@ -23,7 +21,49 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Ada
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused)
 
 
-def build_scheduler(cfg: OptimConfig, optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def lr_factor(cfg: OptimConfig, max_steps: int, step: int) -> float:
+    """The share of `lr` that optimizer step `step` (1, 2, ...) trains at.
+
+    Warm-up: step s of `warmup_steps` W trains at s/W, so step 1 already moves (a warm-up from 0
+    would waste it) and step W is at the peak. `cosine` then decays from the peak at step max(W, 1)
+    to `min_lr` at `max_steps`; `constant` stays at the peak.
+    """
+    warmup = cfg.warmup_steps
+    if step < warmup:
+        return step / warmup
     if cfg.schedule == "constant":
-        return get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
-    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, max_steps, min_lr=cfg.min_lr)
+        return 1.0
+    peak_step = max(warmup, 1)
+    progress = min(1.0, (step - peak_step) / max(1, max_steps - peak_step))
+    floor = cfg.min_lr / cfg.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: OptimConfig, optimizer, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """`lr_factor` of the step to come: before step 1 the scheduler has been stepped 0 times."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(cfg, max_steps, done + 1))
+
+
+def warmup_warning(cfg: OptimConfig, max_steps: int) -> str | None:
+    """A plan line when the run ends inside its warm-up, or with it: the peak rate is reached late or never."""
+    if cfg.warmup_steps < max_steps:
+        return None
+    last = cfg.lr * lr_factor(cfg, max_steps, max_steps)
+    reach = "only at its last step" if cfg.warmup_steps == max_steps else f"never (the last step trains at lr {last:.3g})"
+    return (f"WARNING: optim.warmup_steps={cfg.warmup_steps} with train.max_steps={max_steps}: the peak lr "
+            f"{cfg.lr} is reached {reach}; lower optim.warmup_steps for a short run")
+
+
+def apply_on_resume(cfg: OptimConfig, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """After a resume has loaded the optimizer's and the schedule's state (which hold the settings of
+    the checkpoint's run): this run's `optim` settings replace them. The schedule was built from this
+    run's `optim` and `train.max_steps`; at the resumed step it gives the learning rate a fresh run of
+    these settings would use there (a larger `max_steps` continues that longer run's schedule). The
+    moments and the step count stay the checkpoint's; with unchanged settings nothing changes."""
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates

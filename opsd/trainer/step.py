@@ -21,6 +21,10 @@ from opsd.trainer.distributed import Ranks
 from opsd.trainer.fsdp import full_value, set_gradient_sync
 
 
+class NonFiniteStepsError(RuntimeError):
+    """`train.max_bad_steps` steps in a row had a non-finite loss or gradient norm; none was applied."""
+
+
 @dataclass
 class StepSums:
     """This rank's sums over a step's completion tokens, reduced over ranks for the metrics. They
@@ -31,6 +35,9 @@ class StepSums:
     mismatch: float | torch.Tensor = 0.0
     mismatch_max: float | torch.Tensor = 0.0
     guardrails: GuardrailSums = field(default_factory=GuardrailSums)
+    finite: bool = True
+    """Whether the step's loss and gradient norm were finite on every rank (set by `optimizer_step`);
+    a step that was not is not applied."""
 
     def add(self, scored: ScoredBatch) -> None:
         # Same weights on both sides: a gap here means the engine did not get the last update.
@@ -95,9 +102,12 @@ class TrainStep:
                         on_scored(micro, scored)
             with timed("free"):  # the micro-batch's [N, V] logits go back to the allocator
                 del scored
-        grad_norm = optimizer_step(self.student, self.optimizer, self.max_grad_norm, timed)
+        grad_norm = optimizer_step(self.student, self.optimizer, self.max_grad_norm, timed, sums, self.ranks)
         with timed("metrics_reduce"):
-            return step_metrics(sums, grad_norm, loss, self.ranks, total_tokens, num_examples=len(examples))
+            metrics = step_metrics(sums, grad_norm, loss, self.ranks, total_tokens, num_examples=len(examples))
+        if not sums.finite:
+            metrics["nonfinite_step"] = 1
+        return metrics
 
 
 def micro_batches(examples: list[Example], size: int, ranks: Ranks, padding: Example | None) -> list[list[Example]]:
@@ -118,13 +128,28 @@ def backward(scored: ScoredBatch, loss: Loss, total_tokens: int, weight: float =
 
 
 def optimizer_step(student: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float,
-                   timed: Timed = untimed) -> torch.Tensor:
-    """Clip the accumulated gradients (0 = no clip, norm still measured), step, zero; the norm."""
+                   timed: Timed = untimed, sums: StepSums | None = None, ranks: Ranks | None = None) -> torch.Tensor:
+    """Clip the accumulated gradients (0 = no clip, norm still measured), step, zero; the norm.
+
+    A step whose gradient norm or loss sums (`sums`) are not finite on some rank is not applied:
+    the gradients are dropped, the weights and the optimizer's moments stay as they were, and
+    `sums.finite` says so (all ranks agree, with one all-reduce). Clipping a NaN norm would only
+    spread the NaN into every weight."""
     with timed("clip"):
         params = [p for p in student.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    finite = True
+    if sums is not None:
+        norm = full_value(grad_norm)
+        checked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=norm.device).reshape(())
+                               for v in (norm, sums.distill, sums.ce)])
+        finite = bool(torch.isfinite(checked).all())  # one transfer to the host per step
+        if ranks is not None and ranks.enabled:
+            finite = ranks.max([0.0 if finite else 1.0])[0] == 0
+        sums.finite = finite
     with timed("optimizer"):
-        optimizer.step()
+        if finite:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return grad_norm
 

@@ -13,19 +13,19 @@ SMALL_FS_MB = 20
 
 
 @contextlib.contextmanager
-def small_file_system(where, monkeypatch):
-    """(where, mounted): `where` on a 20 MB file system: a tmpfs when this process may mount one (root),
-    else a directory whose writes fail with ENOSPC once 20 MB are written (DCP's writer patched)."""
+def small_file_system(where, monkeypatch, size_mb=SMALL_FS_MB):
+    """(where, mounted): `where` on a `size_mb` file system: a tmpfs when this process may mount one (root),
+    else a directory whose writes fail with ENOSPC once `size_mb` are written (DCP's writer patched)."""
     where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS_MB}m", "tmpfs", str(where)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(where)],
                              capture_output=True).returncode == 0
     if not mounted:
-        simulate_full_disk(where, SMALL_FS_MB * 1_000_000, monkeypatch)
+        simulate_full_disk(where, size_mb * 1_000_000, monkeypatch)
     try:
         yield where, mounted
     finally:
-        if mounted:
-            subprocess.run(["umount", str(where)], check=True)
+        if mounted and subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(where)], check=True)  # a file a failed writer left open
 
 
 def simulate_full_disk(where, capacity, monkeypatch):
@@ -41,3 +41,16 @@ def simulate_full_disk(where, capacity, monkeypatch):
 
     monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
     monkeypatch.setattr(ckpt, "free_mb", lambda path: max(0, capacity - used()) / 1e6)
+
+
+def fill(directory) -> None:
+    """Write a file into `directory` until its file system is full (ENOSPC)."""
+    block = b"\0" * (1 << 16)
+    with open(directory / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise

@@ -13,18 +13,19 @@ from tests.helpers.samples import SampleList
 from opsd.trainer.optim import build_optimizer, build_scheduler
 
 
-def make_parts(model_dir, teacher_mode="ema", wrap=lambda model: None, freeze_vision=False):
+def make_parts(model_dir, teacher_mode="ema", wrap=lambda model: None, freeze_vision=False, optim_cfg=None, max_steps=10):
     """`wrap` (e.g. FSDP2 sharding) is applied to the student and its teacher's own model (if any)
-    before the optimizer exists; the EMA moves half way each step."""
+    before the optimizer exists; the EMA moves half way each step. `optim_cfg`, `max_steps`: the
+    optimizer and schedule (default: lr 1e-2 after 1 warm-up step, cosine to 0 over 10 steps)."""
     model_cfg = ModelConfig(path=str(model_dir), freeze_vision=freeze_vision)
     processor = load_processor(model_cfg)
     student = load_model(model_cfg, processor, torch.device("cpu"))
     teacher = make_teacher(TeacherConfig(mode=teacher_mode, ema_decay=0.5), student)
     for model in [student] + ([teacher.module] if teacher.module is not None else []):
         wrap(model)
-    optim_cfg = OptimConfig(lr=1e-2, min_lr=0.0, warmup_steps=1)
+    optim_cfg = optim_cfg or OptimConfig(lr=1e-2, min_lr=0.0, warmup_steps=1)
     optimizer = build_optimizer(optim_cfg, student)
-    scheduler = build_scheduler(optim_cfg, optimizer, 10)
+    scheduler = build_scheduler(optim_cfg, optimizer, max_steps)
     samples = [Sample(id=f"s{i}", question=f"q{i}", images=[], privileged_images=[]) for i in range(5)]
     return TrainingParts(student, teacher, optimizer, scheduler, processor, SampleStream([SampleList(samples)], seed=3))
 

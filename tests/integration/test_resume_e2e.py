@@ -133,12 +133,12 @@ def test_checkpoint_model_dir_loads_in_transformers_and_vllm(straight_run, grid_
 
 
 def test_rotation_keeps_the_best_checkpoint(tmp_path, tiny_vlm_dir, grid_data_dir):
-    # `lr` as the metric makes the best step known in advance: one warm-up step (lr 0 at step 1),
+    # `lr` as the metric makes the best step known in advance: two warm-up steps (half the lr at step 1),
     # the peak at step 2, cosine decay after. Checkpoint-2 must outlive checkpoints 1 and 3.
     output_dir = tmp_path / "run"
     cfg = run_config(
         output_dir, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "rollout.max_new_tokens=8",
-        "train.max_steps=4", "optim.warmup_steps=1", "checkpoint.save_every=1", "checkpoint.save_total_limit=1",
+        "train.max_steps=4", "optim.warmup_steps=2", "checkpoint.save_every=1", "checkpoint.save_total_limit=1",
         "checkpoint.metric_for_best_model=lr", "checkpoint.greater_is_better=true",
     )
     opsd.train.train(cfg)

@@ -257,11 +257,16 @@ def test_metrics_continue_after_the_resumed_step(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["loss"] == 9.0
 
 
-def test_corrupt_metrics_line_is_named(tmp_path):
+def test_lines_that_are_not_records_and_later_steps_are_dropped_once_and_named(tmp_path):
+    """What two runs writing one file (before the output-directory lock) or a killed one left."""
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(ValueError, match="line 2"):
-        drop_records_after(path, 1)
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n{"step": 3}\n')
+    assert drop_records_after(path, 2) == (f"metrics: dropped 1 record(s) of steps 3-3, logged after checkpoint-2 and "
+                                            f"1 line(s) that are not JSON records (a write cut short) from {path}; "
+                                            "this run continues after step 2")
+    assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+    before = path.stat().st_ino
+    assert drop_records_after(path, 2) is None and path.stat().st_ino == before  # nothing to drop: not rewritten
 
 
 def test_wandb_run_is_continued(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import shutil
 import uuid
 
 import pytest
+import torch
 
 from opsd.trainer import checkpoint as ckpt
 from opsd.trainer.checkpoint import (
@@ -16,6 +17,7 @@ from opsd.trainer.checkpoint import (
     save_checkpoint,
 )
 from opsd.trainer.checkpoint_manager import CheckpointManager
+from tests.helpers.disk import fill, small_file_system
 from tests.helpers.parts import assert_same_tensors, make_parts, run_config, take_steps
 
 
@@ -59,19 +61,36 @@ def make_loaded(tiny_text_dir, path):
     return parts.student.state_dict()
 
 
-def test_the_zip_writer_failing_on_a_full_disk_is_named_too(tmp_path, tiny_text_dir, monkeypatch):
-    """torch.save's writer reports a full disk as `unexpected pos`, with no OSError: the free space tells."""
-    parts = saved_parts(tiny_text_dir)
+def test_the_first_save_onto_a_full_disk_names_the_cause_and_the_free_space_at_the_failure(tmp_path, tiny_text_dir, monkeypatch):
+    """No earlier checkpoint to size the early check by: the writers themselves fill a 6 MB file system."""
+    with small_file_system(tmp_path / "small", monkeypatch, size_mb=6) as (run, mounted):
+        with pytest.raises(CheckpointSaveError) as err:
+            save_checkpoint(run, 1, saved_parts(tiny_text_dir), {"step": 1})
+        assert sorted(p.name for p in run.iterdir() if p.name != "lost+found") == []  # no .tmp left
+    message = str(err.value)
+    assert message.startswith(f"saving checkpoint-1 to {run} failed: No space left on device"), message
+    if mounted:  # the free space when the write failed, not after the cleanup freed what the save took
+        assert "; free space: 0 MB; the last complete checkpoint is none. " in message, message
 
-    def full(obj, path):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
-    monkeypatch.setattr(ckpt.torch, "save", full)
-    monkeypatch.setattr(ckpt, "free_mb", lambda path: 0.2)
-    with pytest.raises(CheckpointSaveError, match=r"failed: No space left on device \(RuntimeError: \[enforce fail at "
-                                                  r"inline_container.cc:672\] . unexpected pos 704 vs 598\); free space: 0 MB"):
-        save_checkpoint(tmp_path, 1, parts, {"step": 1})
-    assert list(tmp_path.iterdir()) == []
+def test_the_zip_writer_failing_on_a_full_disk_is_named_too(small_disk, tiny_text_dir, monkeypatch):
+    """torch.save's writer reports a full disk as `unexpected pos`, with no OSError: the free space
+    at the failure tells. The disk is really filled just before the RNG states are written."""
+    run, mounted = small_disk
+    if not mounted:
+        pytest.skip("needs a small file system (mount -t tmpfs, as root)")
+    save = ckpt.torch.save
+
+    def onto_a_full_disk(obj, path, *args, **kwargs):
+        if not hasattr(path, "write"):  # the RNG file (DCP saves into memory buffers first)
+            fill(path.parent)  # inside the .tmp: the cleanup frees it again
+        save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", onto_a_full_disk)
+    with pytest.raises(CheckpointSaveError, match=r"failed: No space left on device \(RuntimeError: .*unexpected pos .*\); "
+                                                  r"free space: 0 MB; the last complete checkpoint is none\."):
+        save_checkpoint(run, 1, saved_parts(tiny_text_dir), {"step": 1})
+    assert sorted(p.name for p in run.iterdir() if p.name != "lost+found") == []
 
 
 def test_a_failure_that_is_not_the_disk_keeps_its_traceback_and_leaves_no_tmp(tmp_path, tiny_text_dir, monkeypatch):
@@ -144,3 +163,52 @@ def test_a_warning_comes_one_save_before_the_disk_is_full(small_disk, tiny_text_
     manager.save(1, {})
     out = capsys.readouterr().out
     assert f"checkpoint: WARNING: " in out and f"MB free in {run}, checkpoint-1 took 12 MB: the next save will not fit" in out
+
+
+def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path, tiny_text_dir):
+    parts = saved_parts(tiny_text_dir)
+    with torch.no_grad():
+        next(parts.student.parameters())[0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"not saving checkpoint-1: the student's .* holds non-finite values"):
+        save_checkpoint(tmp_path, 1, parts, {"step": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_large_shard_changed_after_the_save_is_caught_by_its_hash(tmp_path, tiny_text_dir):
+    """64 KiB of 0xFF inside a training-state shard of over 16 MiB (the size main checked by size only):
+    the resume stops before loading it, naming the file and the newest intact checkpoint."""
+    ballast = lambda model: model.register_parameter("ballast", torch.nn.Parameter(torch.randn(3_000_000)))  # noqa: E731
+    parts = make_parts(tiny_text_dir, teacher_mode="self", wrap=ballast)
+    take_steps(parts, 1)
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, parts, {"step": step, "counters": {}, "config": {}})
+    shard = max((tmp_path / "checkpoint-2" / "train_state").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    assert shard.stat().st_size > 16 << 20
+    with open(shard, "r+b") as f:  # inside the weights' bytes: the size stays, the content does not
+        f.seek(shard.stat().st_size // 2)
+        f.write(b"\xff" * (64 << 10))
+    with pytest.raises(CheckpointError) as err:
+        CheckpointManager(run_config(tmp_path, resume_from="auto"), tmp_path)
+    older = tmp_path / "checkpoint-1"
+    assert str(err.value).startswith(f"checkpoint {tmp_path / 'checkpoint-2'} is corrupt: train_state/{shard.name} differs "
+                                     "from the file that was saved (sha256). The newest intact checkpoint is "
+                                     f"{older}: continue from it with checkpoint.resume_from={older}")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_a_corrupt_model_directory_at_the_start_is_one_error_line_naming_the_file(damage, tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
+    import opsd.train
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_vlm_dir, model)
+    weights = model / "model.safetensors"
+    if damage == "truncated":
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size - 1000)
+    else:
+        weights.write_bytes(bytes(range(256)) * 64 + weights.read_bytes()[16384:])
+    status = opsd.train.main(["--config", "configs/demo.yaml", f"model.path={model}", "model.build=null",
+                              f"data.path={grid_data_dir}", f"logging.output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: model.path: {weights} is corrupt: ") and damage in err[0], err

@@ -254,3 +254,18 @@ def test_relative_image_paths_resolve_next_to_the_data_file(tmp_path):
     write_parquet(rows, tmp_path / "paths.parquet")
     sample = train_stream(make_cfg({"path": str(tmp_path / "paths.parquet")})).take(1)[0]
     assert sample.images[0].getpixel((0, 0)) == (0, 0, 255)
+
+
+def test_a_dataset_folder_with_images_in_a_subfolder_reads_only_its_data_files(tmp_path):
+    """`datasets` scans a folder recursively and files `vis/img/train_0_h.png` under train: opsd reads
+    the data files only, and the row's relative image path resolves next to its file."""
+    (tmp_path / "vis" / "img").mkdir(parents=True)
+    Image.new("RGB", (32, 32), (0, 255, 0)).save(tmp_path / "vis" / "img" / "train_0_h.png")
+    rows = [{"question": "What colour?", "answer": "green", "images": ["vis/img/train_0_h.png"],
+             "privileged_images": ["vis/img/train_0_h.png"]}]
+    write_parquet(rows, tmp_path / "train.parquet")
+    sample = train_stream(make_cfg({"path": str(tmp_path)})).take(1)[0]
+    assert sample.images[0].getpixel((0, 0)) == (0, 255, 0)
+    (tmp_path / "train.parquet").unlink()
+    with pytest.raises(DataConfigError, match=r"no data files \(.parquet.*\) in .*, only train_0_h.png"):
+        train_stream(make_cfg({"path": str(tmp_path)}))

@@ -35,7 +35,7 @@ GROUPS = {  # group: module prefixes
     "evaluation": ["opsd.evaluation", "opsd.retention"],
     "pipeline": ["opsd.pipeline"],
     "dumps": ["opsd.dumps", "opsd.rollouts"],
-    "cli": ["opsd.export", "opsd.check"],
+    "cli": ["opsd.export", "opsd.check", "opsd.evaluate"],
     "recipe": ["opsd.train"],
     "package": ["opsd"],
 }

@@ -59,3 +59,15 @@ def test_ema_export_needs_an_ema_teacher(tmp_path, tiny_text_dir, capsys):
     save_checkpoint(tmp_path / "run", 1, make_parts(tiny_text_dir, teacher_mode="self"), {"step": 1})
     assert main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--ema"]) == 2
     assert "has no EMA teacher" in capsys.readouterr().err
+
+
+def test_exported_files_have_the_umask_modes(run, tmp_path):
+    """safetensors writes 0600; an export is readable by others, as Hugging Face's own saves are (0644 under umask 022)."""
+    import os
+
+    run_dir, _ = run
+    out = export_checkpoint(run_dir, tmp_path / "out")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask

@@ -18,6 +18,16 @@ def test_sft_needs_cross_entropy_and_privileged_text():
     assert cfg.loss.kind == "sft" and cfg.loss.ce_weight == 1  # the whole loss, weighted 1 unless set
 
 
+def test_the_plan_of_sft_names_neither_a_teacher_nor_sampling():
+    from opsd.train import describe_plan
+
+    sft = describe_plan(load_config("configs/learn_facts_smollm2.yaml", ["loss={kind: sft}"]))
+    assert "  no teacher (loss sft); privileged text" in sft and "teacher fixed" not in sft
+    assert "rollout engine vllm: no sampling (loss sft); greedy evaluation only" in sft and "T=1.0" not in sft
+    jsd = describe_plan(load_config("configs/learn_facts_smollm2.yaml"))
+    assert "  teacher fixed; privileged text" in jsd and "up to 16 new tokens, T=1.0" in jsd
+
+
 def test_switching_the_kind_alone_names_the_other_kinds_settings():
     """The file's jsd settings do not silently vanish under `loss.kind=sft`: the message says which
     keys belong to jsd and how to replace the section."""

@@ -100,3 +100,27 @@ def test_host_syncs_do_not_grow_with_the_micro_batches(model_and_processor):
             one_step(model, processor, examples, size, cfg)
         syncs[size] = counter.count
     assert syncs[1] == syncs[5], syncs  # the step's sums leave the device once, at its end
+
+
+def test_a_step_with_a_non_finite_gradient_is_not_applied(model_and_processor):
+    """A NaN gradient (here from a hook on one weight) leaves every weight and the optimizer's
+    moments as they were, and the metrics say so."""
+    model, processor = model_and_processor
+    student = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    scoring = Scoring(build_loss(JsdLossConfig(top_k=16)), pad_id=processor.pad_token_id, micro_batch_size=2)
+    step = TrainStep(student, student, optimizer, scoring, max_grad_norm=1.0)
+    examples = text_examples(processor, [3, 4])
+    step(examples)  # one good step: the moments hold state
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    moments = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    hook = next(student.parameters()).register_hook(lambda grad: grad * float("nan"))
+    metrics = step(examples)
+    hook.remove()
+    assert metrics["nonfinite_step"] == 1 and metrics["grad_norm"] != metrics["grad_norm"]  # NaN
+    for key, value in student.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for param, state in optimizer.state.items():
+        assert all(torch.equal(v, moments[id(param)][k]) for k, v in state.items())
+    assert all(p.grad is None for p in student.parameters())
+    assert "nonfinite_step" not in step(examples)  # the next good step is applied again

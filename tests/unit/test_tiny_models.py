@@ -91,3 +91,20 @@ def test_build_is_deterministic_and_reusable(build, tmp_path):
         build(a, seed=2)
     build(a, seed=2, overwrite=True)
     assert (a / "model.safetensors").read_bytes() == (c / "model.safetensors").read_bytes()
+
+
+def test_transformers_warning_about_its_own_default_idefics3_config_is_dropped():
+    """Every Idefics3 load (tiny VLM, SmolVLM; --dry-run too) made transformers warn about the default
+    Idefics3Config it diffs against (pad_token_id 128002 > its 32000-token vocabulary); opsd drops that
+    one message, the same warning about another config still shows."""
+    import logging
+
+    import opsd.modeling  # noqa: F401  (installs the filter)
+    from opsd.modeling import DefaultConfigWarning
+
+    logger = logging.getLogger("transformers.configuration_utils")
+    def record(message):
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None)
+
+    assert not logger.filter(record(DefaultConfigWarning.MESSAGE + " This may result in unexpected behavior."))
+    assert logger.filter(record(DefaultConfigWarning.MESSAGE.replace("got 128002", "got 900")))
