@@ -310,11 +310,12 @@ def head_rows(model: nn.Module) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-class ModelTeacher:
+class ModelTeacher(SelfTeacher):
     """`model`: another model read from `teacher.path` (a larger one of the student's family, or the
     student trained elsewhere), frozen and in eval mode; it scores the teacher prompts built as for
     every mode (`prompts.privileged: []` is classic on-policy distillation). Nothing of it trains,
-    moves, reaches the engine or goes into a checkpoint but its path and fingerprint (`identity`)."""
+    moves, reaches the engine or goes into a checkpoint but its path and fingerprint (`identity`):
+    `self`'s nothing to update, save or restart, with a model of its own."""
 
     SAVED_WEIGHTS, HOLDS_COPY, ADDS_EMA_ADAPTER, LOADS_MODEL = TEACHER_PATH_WEIGHTS, False, False, True
 
@@ -327,21 +328,6 @@ class ModelTeacher:
                               f"{student_rows}: it cannot score every token the student samples")
         self.scorer = VocabView(self.module, student_rows) if rows > student_rows else self.module
         self.fingerprint = model_dir_fingerprint(cfg.path)
-
-    def update(self, student):
-        pass
-
-    def train_state(self):
-        return None
-
-    def load_train_state(self, state):
-        pass
-
-    def restart_from(self, student):
-        pass
-
-    def model_dir(self, student):
-        return None
 
     def identity(self):
         return {"path": self.path, "fingerprint": self.fingerprint}

@@ -37,8 +37,8 @@ from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
 from opsd.loss_kinds import build_loss
 from opsd.modeling import (
-    empty_model, enable_activation_checkpointing, load_frozen_model, load_model, load_processor, prepare_model_dir, teacher_model_config,
-    vision_parameter_names,
+    empty_model, enable_activation_checkpointing, load_frozen_model, load_model, load_processor, prepare_model_dir,
+    teacher_model_config, vision_parameter_names,
 )
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import describe_prompts, is_multimodal, student_prompt, teacher_prompt

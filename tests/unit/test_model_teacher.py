@@ -13,16 +13,15 @@ import torch
 from transformers import AutoConfig
 
 import opsd.train
-from opsd.config import ConfigError, ModelConfig, OptimConfig, TeacherConfig, load_config
+from opsd.config import ConfigError, JsdLossConfig, ModelConfig, OptimConfig, TeacherConfig, load_config
+from opsd.loss_kinds import build_loss
 from opsd.modeling import load_processor
 from opsd.scoring import Scoring
 from opsd.teacher import ModelTeacher, VocabView, check_compatible, compatibility_difference, make_teacher
-from opsd.tiny_models import build_tiny_text_model, build_tiny_vlm, build_tokenizer
+from opsd.tiny_models import build_tiny_text_model, build_tokenizer
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts, load_checkpoint, save_checkpoint
 from opsd.trainer.optim import build_optimizer, build_scheduler
 from opsd.trainer.step import TrainStep
-from opsd.loss_kinds import build_loss
-from opsd.config import JsdLossConfig
 from tests.helpers.examples import text_examples, text_model
 
 
@@ -46,14 +45,18 @@ def processor_and_config(path):
     return load_processor(ModelConfig(path=str(path))), AutoConfig.from_pretrained(path)
 
 
+def difference(student_dir, teacher_dir):
+    """What `compatibility_difference` finds between two model directories (None: nothing)."""
+    return compatibility_difference(*processor_and_config(student_dir)[:1], *processor_and_config(teacher_dir)[:1],
+                                    AutoConfig.from_pretrained(student_dir), AutoConfig.from_pretrained(teacher_dir))
+
+
 def test_a_larger_model_with_the_same_tokenizer_and_processor_is_compatible(tiny_vlm_dir, tiny_vlm_large_dir,
                                                                              tiny_text_dir, padded_text_dir):
-    assert compatibility_difference(*processor_and_config(tiny_vlm_dir)[:1], *processor_and_config(tiny_vlm_large_dir)[:1],
-                                    AutoConfig.from_pretrained(tiny_vlm_dir), AutoConfig.from_pretrained(tiny_vlm_large_dir)) is None
-    student, teacher = processor_and_config(tiny_text_dir), processor_and_config(padded_text_dir)
-    assert compatibility_difference(student[0], teacher[0], student[1], teacher[1]) is None  # more rows: scored over the student's
+    assert difference(tiny_vlm_dir, tiny_vlm_large_dir) is None
+    assert difference(tiny_text_dir, padded_text_dir) is None  # more rows: scored over the student's
     # The other way round the student could sample ids the teacher has no row for.
-    assert "fewer than the student's" in compatibility_difference(teacher[0], student[0], teacher[1], student[1])
+    assert "fewer than the student's" in difference(padded_text_dir, tiny_text_dir)
 
 
 def tiny_text_with(tmp_path, name, **tokenizer):
@@ -70,7 +73,8 @@ def test_what_differs_is_named(tmp_path, tiny_text_dir, tiny_vlm_dir):
     other_template = processor_and_config(tiny_text_with(tmp_path, "template", template="{{ messages[0]['content'] }}"))[0]
     assert compatibility_difference(student, other_template, config, config).startswith("chat template (first at character 1: ")
     vlm = processor_and_config(tiny_vlm_dir)
-    assert compatibility_difference(student, vlm[0], config, vlm[1]) == "the teacher is a vision-language model, the student a text model"
+    kinds = "the teacher is a vision-language model, the student a text model"
+    assert compatibility_difference(student, vlm[0], config, vlm[1]) == kinds
     # A VLM teacher that cuts images into other inputs: the processor setting is named.
     bigger = load_processor(ModelConfig(path=str(tiny_vlm_dir)))
     bigger.image_processor.size = {"longest_edge": 112}
@@ -128,5 +132,6 @@ def test_a_checkpoint_records_the_teacher_and_a_resume_with_another_is_refused(t
     assert load_checkpoint(path, model_teacher_parts(tiny_text_dir, padded_text_dir))["step"] == 1
 
     other = build_tiny_text_model(tmp_path / "other-teacher", seed=2, large=True, extra_vocab_rows=64)  # other weights
-    with pytest.raises(CheckpointError, match=rf"teacher.path={padded_text_dir} \(fingerprint .* resume with the run's own teacher"):
+    refused = rf"teacher.path={padded_text_dir} \(fingerprint .* resume with the run's own teacher"
+    with pytest.raises(CheckpointError, match=refused):
         load_checkpoint(path, model_teacher_parts(tiny_text_dir, other))
