@@ -771,6 +771,8 @@ def _located(error: dict) -> tuple[str, str, Any]:
             msg = loss_key_hint(kind, str(loc[-1]))
     if error["type"] == "loss_kind" and isinstance(value, dict):
         loc, value = ["loss", "kind"], value.get("kind")
+    if loc == ["train", "max_steps"] and value == 0:
+        msg += "; to evaluate a model or checkpoint without training: python -m opsd.evaluate"
     return ".".join(str(p) for p in loc) or "<root>", msg, value
 
 

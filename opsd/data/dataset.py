@@ -223,6 +223,11 @@ def open_source(cfg: Config, key: str, dataset: DatasetConfig, split: str, stats
     prepare(dataset)
     with _quiet_and_offline():
         table, files = _load_table(dataset, split, where)
+    return _row_source(cfg, dataset, split, where, table, files, stats)
+
+
+def _row_source(cfg: Config, dataset: DatasetConfig, split: str, where: str, table, files, stats: Counter) -> RowSource:
+    """The columns of `table` checked against the dataset's schema and mapping, as a `RowSource`."""
     plan = plan_columns(
         dataset.schema, list(table.column_names), overrides=dict(dataset.columns),
         max_reference_rounds=cfg.data.max_reference_rounds, privileged=list(cfg.prompts.privileged), where=where,
@@ -231,7 +236,8 @@ def open_source(cfg: Config, key: str, dataset: DatasetConfig, split: str, stats
         raise DataConfigError(f"{where}: split {split} has no rows")
     table = table.select_columns(plan.all_columns()).with_format("arrow")
     rules = SampleRules.from_config(cfg.data, plan)
-    return RowSource(name=f"{name}[{split}]", table=table, plan=plan, rules=rules, files=files, stats=stats)
+    return RowSource(name=f"{dataset.name or dataset.path}[{split}]", table=table, plan=plan, rules=rules, files=files,
+                     stats=stats)
 
 
 PEEK_ROWS = 8
@@ -307,15 +313,7 @@ def peek_source(cfg: Config, key: str, dataset: DatasetConfig, split: str) -> Ro
                     raise DataConfigError(f"{where}: {file}: unsupported file type (supported: {', '.join(BUILDERS)})")
             table = _peek_file(found[0], where)
             files = [(found[0], len(table))]
-    plan = plan_columns(
-        dataset.schema, list(table.column_names), overrides=dict(dataset.columns),
-        max_reference_rounds=cfg.data.max_reference_rounds, privileged=list(cfg.prompts.privileged), where=where,
-    )
-    if len(table) == 0:
-        raise DataConfigError(f"{where}: split {split} has no rows")
-    table = table.select_columns(plan.all_columns()).with_format("arrow")
-    return RowSource(name=f"{name}[{split}]", table=table, plan=plan, rules=SampleRules.from_config(cfg.data, plan),
-                     files=files, stats=Counter())
+    return _row_source(cfg, dataset, split, where, table, files, Counter())
 
 
 def peek_data(cfg: Config, *, with_eval: bool) -> tuple[list[str], Sample | BadSample | None]:

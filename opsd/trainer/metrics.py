@@ -108,11 +108,17 @@ class MetricsLogger:
         if cfg.wandb.mode != "disabled":
             import wandb
 
+            # wandb's own banners (version, sync hints, run summary) stay off the console unless
+            # `verbose`: one line of ours says where the run goes, so the console is as short as without it.
             self.wandb_run = wandb.init(
                 project=cfg.wandb.project, name=cfg.wandb.name, mode=cfg.wandb.mode,
                 config=run_config, dir=str(output_dir),
                 id=wandb_run_id, resume="allow" if wandb_run_id else None,
+                settings=wandb.Settings(silent=not cfg.verbose),
             )
+            where = (f"offline under {output_dir}/wandb (upload later: wandb sync {output_dir}/wandb/offline-run-*)"
+                     if cfg.wandb.mode == "offline" else getattr(self.wandb_run, "url", None) or "online")
+            tqdm.write(f"wandb: run {self.wandb_run.id}, {where}")
 
     @property
     def wandb_run_id(self) -> str | None:

@@ -56,10 +56,17 @@ def test_demo_config_trains_with_vllm(tmp_path, tiny_vlm_dir, grid_data_dir, mon
 
 
 @pytest.mark.slow
-def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir):
+def test_demo_config_trains_with_hf_engine_and_tinker_loss(tmp_path, tiny_vlm_dir, grid_data_dir, capsys):
     cfg = demo_config(tmp_path, tiny_vlm_dir, grid_data_dir, "rollout.engine=hf", "loss={kind: tinker}", "teacher.mode=fixed")
-    records = read_metrics(train(cfg))[1:]  # after the step-0 evaluation
+    output_dir = train(cfg)
+    records = read_metrics(output_dir)[1:]  # after the step-0 evaluation
     assert len(records) == 3
+    # The plan shows the first row's prompts; every evaluation files what it answered, item by item.
+    assert "  first sample 'grid-s0-00000', before the chat template:" in capsys.readouterr().out
+    evaluations = [r["step"] for r in read_metrics(output_dir) if "eval/accuracy" in r]
+    assert sorted(p.name for p in (output_dir / "eval").iterdir()) == [f"step_{s}.jsonl" for s in evaluations]
+    first = json.loads((output_dir / "eval" / "step_0.jsonl").read_text().splitlines()[0])
+    assert first.keys() == {"id", "role", "completion", "answer", "reference", "correct"} and first["role"] == "student"
     assert all(math.isfinite(r["loss"]) and r["logprob_mismatch_max"] < 1e-3 for r in records)
     # The distillation term is named for what it is: tinker's per-token loss, not a JSD; tinker neither
     # keeps a top-k nor clips, so those guardrails are not logged for it.

@@ -269,13 +269,17 @@ def test_lines_that_are_not_records_and_later_steps_are_dropped_once_and_named(t
     assert drop_records_after(path, 2) is None and path.stat().st_ino == before  # nothing to drop: not rewritten
 
 
-def test_wandb_run_is_continued(tmp_path, monkeypatch):
+def test_wandb_run_is_continued(tmp_path, monkeypatch, capsys):
     calls = []
-    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or types.SimpleNamespace(id=kw["id"] or "new1", finish=lambda: None))
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or types.SimpleNamespace(id=kw["id"] or "new1", finish=lambda: None),
+                                 Settings=lambda **kw: kw)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg = LoggingConfig(wandb={"mode": "offline"})
     assert MetricsLogger(cfg, tmp_path, {}).wandb_run_id == "new1"
     assert calls[-1]["id"] is None and calls[-1]["resume"] is None
+    # wandb's banners stay off the console (unless logging.verbose); one line of opsd's says where the run goes
+    assert calls[-1]["settings"] == {"silent": True}
+    assert capsys.readouterr().out == f"wandb: run new1, offline under {tmp_path}/wandb (upload later: wandb sync {tmp_path}/wandb/offline-run-*)\n"
     assert MetricsLogger(cfg, tmp_path, {}, resume_step=0, wandb_run_id="abc").wandb_run_id == "abc"
     assert calls[-1]["id"] == "abc" and calls[-1]["resume"] == "allow"
 

@@ -106,7 +106,8 @@ def test_overrides_apply_and_parse_yaml_scalars():
         ("train", {"max_bad_steps": 0}, "train.max_bad_steps"),
         ("teacher", {"mode": "twin"}, "teacher.mode"),
         ("optim", {"lr": "fast"}, "optim.lr"),
-        ("train", {"max_steps": 0}, "train.max_steps"),
+        ("train", {"max_steps": 0}, "train.max_steps: Input should be greater than 0; to evaluate a model or checkpoint "
+                                    "without training: python -m opsd.evaluate"),
         ("bogus_section", {"x": 1}, "bogus_section"),
     ],
 )
