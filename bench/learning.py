@@ -14,6 +14,9 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
         no_privileged   the teacher's prompt is the student's (prompts.privileged=[]): divergence 0
         noise           the fact replaced by an irrelevant true sentence (columns.privileged_text=irrelevant)
         sft             supervised baseline: cross-entropy on the fact sentences (loss.kind=sft)
+        model_teacher   another model teaches: sft's final model (its checkpoint's model/) is the
+                        teacher (teacher.mode=model) of a fresh SmolLM2, no privileged text in any
+                        prompt (prompts.privileged=[]); runs after sft, or reuses its directory
 
     visual       configs/learn_picture_facts_smollm2_vlm.yaml: SmolLM2-135M with a vision tower taught
                  here (opsd.smollm2_vlm, built first and timed), facts whose value the teacher only
@@ -32,7 +35,7 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
                  completion token; the tokens each run needed to reach a stated accuracy. Its
                  acceptance: the opsd mean +15 points, the controls within 5.
 
-    .venv/bin/python bench/learning.py [--tasks text_facts visual skill] [--runs opsd no_privileged noise sft]
+    .venv/bin/python bench/learning.py [--tasks text_facts visual skill] [--runs opsd no_privileged noise sft model_teacher]
         [--visual-runs opsd noise no_privileged sft] [--visual-opsd-steps 20]
         [--opsd-steps 30] [--out runs/learn] [key=value ...]
 
@@ -70,6 +73,18 @@ CONTROLS = {
     # mean loss and gradient, a quarter of the forward.
     "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1"],
 }
+MODEL_TEACHER = "model_teacher"
+"""The text task's run taught by another model: the `sft` run's final model, privileged text in no prompt."""
+
+
+def model_teacher_overrides(out: Path, steps: int) -> list[str]:
+    """The `model_teacher` run's overrides: the teacher is the model `sft` saved at `steps` in `out`."""
+    teacher = out / "sft" / f"checkpoint-{steps}" / "model"
+    if teacher.is_relative_to(ROOT):  # the runs start in ROOT; the report names no machine's paths
+        teacher = teacher.relative_to(ROOT)
+    return ["prompts.privileged=[]", f"teacher={{mode: model, path: {teacher}}}"]
+
+
 VISUAL_CONFIG = "configs/learn_picture_facts_smollm2_vlm.yaml"
 VISUAL_CONTROLS = {
     "opsd": [],
@@ -81,7 +96,8 @@ VISUAL_CONTROLS = {
 }
 STAGES = ("rollout", "train", "weight_sync")
 TRAINING_STAGES = tuple(f"time_{stage}_s" for stage in STAGES)
-COLOURS = {"opsd": "tab:blue", "no_privileged": "tab:gray", "noise": "tab:orange", "sft": "tab:green"}
+COLOURS = {"opsd": "tab:blue", "no_privileged": "tab:gray", "noise": "tab:orange", "sft": "tab:green",
+           MODEL_TEACHER: "tab:purple"}
 
 
 def child_cpu_seconds() -> float:
@@ -234,6 +250,8 @@ def text_facts_acceptance(runs: dict, steps: int, comparison: dict | None) -> di
             out[f"{control}_moves_under_5_points"] = abs(out[f"{control}_gain_points"]) < 5
     if comparison is not None:
         out["opsd_within_10_points_of_sft"] = comparison["opsd_within_points"]
+    if f"{MODEL_TEACHER}_gain_points" in out:
+        out[f"{MODEL_TEACHER}_gains_20_points"] = out[f"{MODEL_TEACHER}_gain_points"] >= 20
     return out
 
 
@@ -286,9 +304,16 @@ def plot_task(task: dict, path: Path) -> None:
 
 
 def text_facts_task(args, out: Path, progress) -> dict:
-    """The fictional-facts task: every run of `args.runs` in `out`; `progress(section)` after each."""
+    """The fictional-facts task: every run of `args.runs` in `out`; `progress(section)` after each.
+    `model_teacher` is taught by the model `sft` saved at its last step."""
+    from opsd.config import load_config
+
+    steps = load_config(ROOT / args.config, args.overrides).train.max_steps
+    controls = {**CONTROLS, MODEL_TEACHER: model_teacher_overrides(out, steps)}
+    if MODEL_TEACHER in args.runs and "sft" not in args.runs and not (out / "sft" / f"checkpoint-{steps}" / "model").is_dir():
+        raise SystemExit(f"--runs {MODEL_TEACHER} needs the sft run's model at {out / 'sft'}: add sft to --runs")
     return run_task(args, out, progress, title="SmolLM2-135M-Instruct learns fictional facts only its teacher's prompt holds",
-                    config=args.config, controls=CONTROLS, run_names=args.runs, overrides=args.overrides,
+                    config=args.config, controls=controls, run_names=args.runs, overrides=args.overrides,
                     opsd_steps=args.opsd_steps, acceptance=text_facts_acceptance)
 
 
@@ -627,8 +652,8 @@ def profile_speed(args, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
-    parser.add_argument("--runs", nargs="+", choices=list(CONTROLS), default=list(CONTROLS),
-                        help="text_facts: the runs")
+    parser.add_argument("--runs", nargs="+", choices=[*CONTROLS, MODEL_TEACHER], default=[*CONTROLS, MODEL_TEACHER],
+                        help="text_facts: the runs (model_teacher after sft: sft's model teaches it)")
     parser.add_argument("--visual-runs", nargs="+", choices=list(VISUAL_CONTROLS), default=list(VISUAL_CONTROLS),
                         help="visual: the runs")
     parser.add_argument("--visual-overrides", nargs="*", default=[], metavar="KEY=VALUE",

@@ -5,6 +5,9 @@ chat template or engine.
    weights. The distillation term must be 0 (to float tolerance), and the trainer's logprobs of the
    sampled tokens must match the engine's (max gap below 1e-3): a gap means the engine and the
    trainer see different sequences (chat template, tokenisation, image inputs) or weights.
+   A teacher that is not the student's own weights (a model teacher, `teacher.mode: model`) is also
+   scored on the student's prompt: that divergence (teacher against student, no privileged
+   information) is reported as a number, not checked: it is what the teacher knows beyond the prompt.
 2. With the privileged information, as configured: the divergence distillation starts from.
 3. One optimizer step on those sequences, the weight sync, fresh samples: the engine must follow
    the new weights (max gap below 1e-3 again).
@@ -30,7 +33,7 @@ from opsd.rollout import make_engine
 from opsd.rollout.weight_sync import sync_student
 from opsd.scoring import Scoring, check_scoring_matches_forward
 from opsd.sequences import Example, prompt_length_check
-from opsd.teacher import make_teacher
+from opsd.teacher import check_teacher, make_teacher, teacher_loader
 from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import launched_by_torchrun
 from opsd.trainer.optim import build_optimizer
@@ -83,6 +86,7 @@ def _run_checks(cfg: Config, out, log_file) -> bool:
     device = resolve_device(cfg.train.device)
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
+    check_teacher(cfg.teacher, cfg.model, processor)  # before any weights load
     scoring = Scoring.from_config(cfg, processor)
     length_check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     samples, _ = split_samples(cfg, cfg.prompts_per_step, split="train", check=length_check, multimodal=is_multimodal(processor))
@@ -92,7 +96,7 @@ def _run_checks(cfg: Config, out, log_file) -> bool:
         seed_everything(cfg.train.seed)
         student = load_model(cfg.model, processor, device)
         check_scoring_matches_forward(student)
-        teacher = make_teacher(cfg.teacher, student)
+        teacher = make_teacher(cfg.teacher, student, load_model=teacher_loader(cfg.model, processor, device))
         sync_student(student, engine, bucket_mb=cfg.rollout.sync_bucket_mb)  # the sync path, as a run starts
         rollout = sample_rollout(engine, samples, processor, cfg, 1)
         same, _ = rollout_examples(rollout, processor, cfg, privileged=False)
@@ -105,6 +109,10 @@ def _run_checks(cfg: Config, out, log_file) -> bool:
             f"{plain.tokens} tokens: divergence {plain.divergence:.3g} (max {plain.divergence_max:.3g}, must be "
             f"<= {DIVERGENCE_TOLERANCE:g}), engine/trainer logprob gap max {plain.mismatch_max:.3g} "
             f"(must be < {MISMATCH_TOLERANCE:g}): {'ok' if plain_ok else 'FAILED'}")
+        if teacher.module is not None and not teacher.HOLDS_COPY:  # a model of its own: a number, no pass or fail
+            other = score(scoring, student, teacher.scorer, same)
+            out(f"check 1, the teacher ({teacher.mode}) on the student's prompt, {other.tokens} tokens: divergence "
+                f"{other.divergence:.4g} per token (max {other.divergence_max:.3g}); another model's, not checked")
 
         privileged, _ = rollout_examples(rollout, processor, cfg)
         if not privileged:

@@ -70,7 +70,7 @@ class ModelConfig:
     path: str
     """Hugging Face model directory of the student (and of the teacher's initial weights)."""
     build: Literal["tiny-vlm", "tiny-paddleocr-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-text", "smollm2",
-                   "smollm2-vlm", "smollm2-vlm-digits"] | None = None
+                   "smollm2-vlm", "smollm2-vlm-digits", "tiny-vlm-large", "tiny-text-large"] | None = None
     """Build a model into `path` when it does not exist yet: a tiny random one (tests, demo; `tiny-vlm`
     is Idefics3 / SmolVLM; `tiny-paddleocr-vl` is PaddleOCR-VL, which vLLM serves on CPU too;
     `tiny-qwen2.5-vl` and `tiny-qwen3-vl` are Qwen2.5-VL and Qwen3-VL and train with
@@ -79,7 +79,8 @@ class ModelConfig:
     `smollm2-vlm`: that model in an Idefics3 shell with a vision tower taught to turn a picture of
     a colour or a shape into the word for it, a few minutes on CPU (`opsd.smollm2_vlm`), or
     `smollm2-vlm-digits`: that model (the `smollm2-vlm` directory beside `path`, built first when
-    missing) with its tower also taught to read printed digits as their words (`build_digits`)."""
+    missing) with its tower also taught to read printed digits as their words (`build_digits`); `tiny-vlm-large`
+    and `tiny-text-large`: a deeper and wider decoder with the same tokenizer (a model teacher's, tests)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: float32, or bfloat16 autocast (master weights stay float32)."""
     trust_remote_code: bool = False
@@ -518,19 +519,34 @@ class RewardConfig:
         return pattern
 
 
-TEACHER_MODES = ("self", "ema", "fixed", "base")
+TEACHER_MODES = ("self", "ema", "fixed", "base", "model")
 """The values of `teacher.mode`; each has its class in opsd/teacher.py (`TEACHERS`)."""
+TEACHER_MODEL_FIELDS = ("path", "build", "dtype")
+"""The fields only `teacher.mode: model` takes."""
 
 
 @dataclass(config=_STRICT)
 class TeacherConfig:
     mode: str = "self"
     """One of `TEACHER_MODES`. `self`: the live student weights; `ema`: an EMA of them; `fixed`: a frozen
-    initial copy; `base`: the initial weights. With `model.lora`, `base` is the student with its adapter
-    switched off (no copy) and `ema` is a second adapter holding the EMA of the adapter's weights (no
-    model copy); without LoRA, `base` is the same as `fixed` (opsd/teacher.py has one class per mode)."""
+    initial copy; `base`: the initial weights; `model`: another model (`path`) with the student's
+    tokenizer, frozen. With `model.lora`, `base` is the student with its adapter switched off (no copy)
+    and `ema` is a second adapter holding the EMA of the adapter's weights (no model copy); without
+    LoRA, `base` is the same as `fixed` (opsd/teacher.py has one class per mode)."""
     ema_decay: Probability = 0.995
     """`ema` only: after each step, teacher = decay * teacher + (1 - decay) * student."""
+    path: str | None = None
+    """`model` only (and required there): the teacher's Hugging Face model directory or hub id. It must
+    share the student's tokenizer (every token id, the special tokens, the chat template) and, for a
+    vision-language student, its image processor: checked before any weights load (cross-tokenizer
+    distillation is not supported). Its LM head may have more (padding) rows than the student's."""
+    build: Literal["tiny-vlm", "tiny-vlm-large", "tiny-text", "tiny-text-large"] | None = None
+    """`model` only: build a tiny random teacher into `path` when it does not exist yet (tests):
+    `tiny-vlm` / `tiny-text` are `model.build`'s, `tiny-vlm-large` / `tiny-text-large` the same
+    tokenizer (and image processor) with a deeper and wider decoder (opsd/tiny_models.py)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """`model` only: the dtype the frozen teacher's weights are held in (and gathered in under
+    torchrun); bfloat16 halves its memory and needs `model.dtype: bfloat16`."""
 
     @field_validator("mode")
     @classmethod
@@ -538,6 +554,19 @@ class TeacherConfig:
         if mode not in TEACHER_MODES:
             raise ValueError(f"must be one of {', '.join(TEACHER_MODES)}")
         return mode
+
+    @model_validator(mode="after")
+    def _model_fields(self) -> "TeacherConfig":
+        if self.mode == "model" and not self.path:
+            raise ValueError("teacher.mode=model needs teacher.path (the teacher's model directory or hub id)")
+        if self.mode != "model":
+            given = [name for name in TEACHER_MODEL_FIELDS if getattr(self, name) != _TEACHER_MODEL_DEFAULTS[name]]
+            if given:
+                raise ValueError(f"teacher.{given[0]} is a setting of teacher.mode=model, not of {self.mode}")
+        return self
+
+
+_TEACHER_MODEL_DEFAULTS = {"path": None, "build": None, "dtype": "float32"}
 
 
 @dataclass(config=_STRICT)
@@ -839,6 +868,8 @@ class Config:
                              f"rollout.samples_per_prompt must be >= 2 (got {self.rollout.samples_per_prompt})")
         if isinstance(self.loss, GrpoLossConfig) and self.loss.kl_weight > 0 and self.teacher.mode not in ("fixed", "base"):
             raise ValueError("loss.kl_weight > 0 is a KL to the initial weights: set teacher.mode=fixed or base")
+        if self.teacher.dtype == "bfloat16" and self.model.dtype != "bfloat16":
+            raise ValueError("teacher.dtype=bfloat16 needs model.dtype=bfloat16 (bfloat16 autocast)")
         if isinstance(self.loss, SftLossConfig) and "text" not in self.prompts.privileged:
             raise ValueError("loss.kind=sft trains on the privileged text: prompts.privileged must hold text")
         return self

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, GenerationConfig
 
-from opsd.config import ConfigError, ModelConfig
+from opsd.config import ConfigError, ModelConfig, TeacherConfig
 from opsd.prompts import is_multimodal, tokenizer_of
 from opsd.vl_processor import load_image_only_processor
 
@@ -42,10 +42,14 @@ def prepare_model_dir(cfg: ModelConfig) -> str:
     """A local model directory (built first when `model.build` asks), or a hub id left to the loaders."""
     path = Path(cfg.path)
     if cfg.build and not (path / "config.json").exists():
+        from functools import partial
+
         from opsd import convert_smollm2, smollm2_vlm, tiny_models
 
         build = {
             "tiny-vlm": tiny_models.build_tiny_vlm,
+            "tiny-vlm-large": partial(tiny_models.build_tiny_vlm, large=True),
+            "tiny-text-large": partial(tiny_models.build_tiny_text_model, large=True),
             "tiny-paddleocr-vl": tiny_models.build_tiny_paddleocr_vl,
             "tiny-qwen2.5-vl": tiny_models.build_tiny_qwen25_vl,
             "tiny-qwen3-vl": tiny_models.build_tiny_qwen3_vl,
@@ -130,8 +134,18 @@ def model_class(multimodal: bool):
     return AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
 
 
-def _options(cfg: ModelConfig) -> dict:
-    options = {"dtype": torch.float32, "trust_remote_code": cfg.trust_remote_code}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def teacher_model_config(model: ModelConfig, teacher: TeacherConfig) -> ModelConfig:
+    """The `ModelConfig` a model teacher (`teacher.mode: model`) loads with: its own path and build,
+    the student's compute dtype, remote-code and attention settings; nothing of it trains."""
+    return ModelConfig(path=teacher.path, build=teacher.build, dtype=model.dtype, trust_remote_code=model.trust_remote_code,
+                       attn_implementation=model.attn_implementation)
+
+
+def _options(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    options = {"dtype": DTYPES[dtype], "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
         options["attn_implementation"] = cfg.attn_implementation
     return options
@@ -144,6 +158,12 @@ def load_model(cfg: ModelConfig, processor, device: torch.device) -> torch.nn.Mo
     if cfg.freeze_vision:
         freeze_vision(model)
     return model.to(device)
+
+
+def load_frozen_model(cfg: ModelConfig, processor, device: torch.device, dtype: str = "float32") -> torch.nn.Module:
+    """A model that never trains (a model teacher): its weights in `dtype`, eval mode, no gradients."""
+    model = model_class(is_multimodal(processor)).from_pretrained(cfg.path, **_options(cfg, dtype))
+    return model.to(device).eval().requires_grad_(False)
 
 
 def decoder_prefix(model: torch.nn.Module) -> str:
@@ -174,7 +194,7 @@ def freeze_vision(model: torch.nn.Module) -> list[str]:
     return names
 
 
-def empty_model(cfg: ModelConfig, processor) -> torch.nn.Module:
+def empty_model(cfg: ModelConfig, processor, dtype: str = "float32") -> torch.nn.Module:
     """The model without its weights: parameters on the meta device, buffers (rotary tables) real.
 
     Nothing is read from the weight files; under torchrun the ranks shard this and take their
@@ -184,7 +204,7 @@ def empty_model(cfg: ModelConfig, processor) -> torch.nn.Module:
 
     config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        model = model_class(is_multimodal(processor)).from_config(config, **_options(cfg))
+        model = model_class(is_multimodal(processor)).from_config(config, **_options(cfg, dtype))
     if (Path(cfg.path) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(cfg.path)
     if cfg.freeze_vision:

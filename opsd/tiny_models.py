@@ -164,10 +164,16 @@ def _generation_config(tokenizer) -> GenerationConfig:
     )
 
 
-def _text_kwargs(tokenizer) -> dict:
-    """Shape shared by both text decoders: hidden 128, 2 layers, 4 heads of 32, 2 KV heads."""
+LARGE = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3, num_attention_heads=6)
+"""The decoder of the `-large` builds (a teacher of another depth and width, the same tokenizer)."""
+
+
+def _text_kwargs(tokenizer, large: bool = False, extra_vocab_rows: int = 0) -> dict:
+    """Shape shared by both text decoders: hidden 128, 2 layers, 4 heads of 32, 2 KV heads (`large`:
+    hidden 192, 3 layers, 6 heads of 32); `extra_vocab_rows` pads the embeddings and LM head beyond
+    the tokenizer's vocabulary, as hub models pad theirs."""
     return dict(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) + extra_vocab_rows,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
@@ -182,7 +188,7 @@ def _text_kwargs(tokenizer) -> dict:
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-    )
+    ) | (LARGE if large else {})
 
 
 def _prepare(out_dir, marker: dict, overwrite: bool) -> tuple[pathlib.Path, bool]:
@@ -213,22 +219,28 @@ def _finish(out: pathlib.Path, marker: dict) -> pathlib.Path:
     return out
 
 
-def build_tiny_text_model(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathlib.Path:
-    """Write a tiny random Qwen2 causal LM (about 0.5M parameters) with its tokenizer."""
+def build_tiny_text_model(out_dir, *, seed: int = 0, overwrite: bool = False, large: bool = False,
+                          extra_vocab_rows: int = 0) -> pathlib.Path:
+    """Write a tiny random Qwen2 causal LM (about 0.5M parameters) with its tokenizer; `large`: a
+    deeper and wider one (about 1.2M) with the same tokenizer; `extra_vocab_rows`: padding rows in
+    the embeddings and LM head."""
     marker = {"kind": "tiny-qwen2", "seed": seed, "version": 1}
+    if large or extra_vocab_rows:
+        marker |= {"large": large, "extra_vocab_rows": extra_vocab_rows}
     out, reuse = _prepare(out_dir, marker, overwrite)
     if reuse:
         return out
     tokenizer = build_tokenizer()
-    config = Qwen2Config(**_text_kwargs(tokenizer), use_sliding_window=False)
+    config = Qwen2Config(**_text_kwargs(tokenizer, large, extra_vocab_rows), use_sliding_window=False)
     _save_random_model(Qwen2ForCausalLM, config, tokenizer, seed, out)
     tokenizer.save_pretrained(out)
     return _finish(out, marker)
 
 
-def build_tiny_vlm(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathlib.Path:
-    """Write a tiny random Idefics3 VLM (about 0.64M parameters) with its processor."""
-    marker = {"kind": "tiny-idefics3", "seed": seed, "version": 1}
+def build_tiny_vlm(out_dir, *, seed: int = 0, overwrite: bool = False, large: bool = False) -> pathlib.Path:
+    """Write a tiny random Idefics3 VLM (about 0.64M parameters) with its processor; `large`: a deeper
+    and wider decoder (about 1.3M parameters) with the same tokenizer, vision tower shape and processor."""
+    marker = {"kind": "tiny-idefics3", "seed": seed, "version": 1} | ({"large": True} if large else {})
     out, reuse = _prepare(out_dir, marker, overwrite)
     if reuse:
         return out
@@ -242,7 +254,7 @@ def build_tiny_vlm(out_dir, *, seed: int = 0, overwrite: bool = False) -> pathli
             image_size=IMAGE_SIZE,
             patch_size=PATCH_SIZE,
         ),
-        text_config=dict(model_type="llama", **_text_kwargs(tokenizer)),
+        text_config=dict(model_type="llama", **_text_kwargs(tokenizer, large)),
         scale_factor=SCALE_FACTOR,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         pad_token_id=tokenizer.pad_token_id,

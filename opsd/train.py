@@ -75,7 +75,8 @@ from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
 from opsd.loss_kinds import build_loss
 from opsd.modeling import (
-    empty_model, enable_activation_checkpointing, load_model, load_processor, prepare_model_dir, vision_parameter_names,
+    empty_model, enable_activation_checkpointing, load_frozen_model, load_model, load_processor, prepare_model_dir,
+    teacher_model_config, vision_parameter_names,
 )
 from opsd.pipeline import Rollout, rollout_examples, sample_rollout
 from opsd.prompts import describe_prompts, is_multimodal, student_prompt, teacher_prompt
@@ -84,7 +85,7 @@ from opsd.rollout import EngineLost, RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
 from opsd.sequences import Example, encode_prompt, padding_example, prompt_length_check
-from opsd.teacher import Teacher, make_teacher, teacher_class
+from opsd.teacher import Teacher, TeacherLoader, check_teacher, make_teacher, teacher_class, teacher_loader
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts, latest_checkpoint
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.console import native_output_to_log, third_party_output
@@ -240,6 +241,7 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
+    check_teacher(cfg.teacher, cfg.model, processor)  # a model teacher's tokenizer, in seconds, before any weights
     # Datasets are opened (and checked against the config) before any weights are loaded.
     check = prompt_length_check(processor, cfg.prompts, cfg.train.max_forward_tokens)
     stream = train_stream(cfg, check=check, multimodal=is_multimodal(processor), sharded=ranks.enabled)
@@ -421,7 +423,8 @@ def load_student_and_teacher(cfg: Config, processor, ranks: Ranks):
     """The student and the teacher scoring model (`self`: the student itself).
 
     Under torchrun both are FSDP2-sharded from empty models: rank 0 alone reads the weight files,
-    every rank receives its shards, and an EMA / fixed teacher copies the student's shards.
+    every rank receives its shards, an EMA / fixed teacher copies the student's shards, and a model
+    teacher is loaded the same way into FSDP units of its own.
     """
     if cfg.model.lora:
         return load_lora_student_and_teacher(cfg, processor, ranks)
@@ -430,13 +433,30 @@ def load_student_and_teacher(cfg: Config, processor, ranks: Ranks):
         enable_activation_checkpointing(student)
     if not ranks.enabled:
         check_scoring_matches_forward(student)  # a model whose logits scoring would not reproduce stops here
-        return student, make_teacher(cfg.teacher, student)
+        return student, make_teacher(cfg.teacher, student, load_model=teacher_loader(cfg.model, processor, ranks.device))
     read = lambda: load_model(cfg.model, processor, torch.device("cpu")).state_dict()  # noqa: E731
     student = load_sharded(student, read, ranks, cfg.distributed, trainable=True)
     check_scoring_matches_forward(student)  # on every rank: the sharded forwards gather collectively
     student.reshard()  # a trainable root keeps its gathered weights until a backward, which this had none of
     copy_shards = lambda s: copy_of_shards(empty_model(cfg.model, processor), s, ranks, cfg.distributed)  # noqa: E731
-    return student, make_teacher(cfg.teacher, student, copy_shards)
+    return student, make_teacher(cfg.teacher, student, copy_shards, sharded_teacher_loader(cfg, processor, ranks))
+
+
+def sharded_teacher_loader(cfg: Config, processor, ranks: Ranks) -> TeacherLoader:
+    """A model teacher under torchrun, loaded like the student (rank 0 reads, every rank keeps its
+    shards) into FSDP units of its own that gather while scoring and free right after."""
+
+    def load(teacher_cfg) -> torch.nn.Module:
+        model_cfg = teacher_model_config(cfg.model, teacher_cfg)
+        prepare_model_dir(model_cfg)
+        read = lambda: load_frozen_model(model_cfg, processor, torch.device("cpu"), teacher_cfg.dtype).state_dict()  # noqa: E731
+        teacher = load_sharded(empty_model(model_cfg, processor, teacher_cfg.dtype), read, ranks, cfg.distributed,
+                               trainable=False, param_dtype=teacher_cfg.dtype)
+        teacher.eval().requires_grad_(False)
+        check_scoring_matches_forward(teacher)  # on every rank, as for the student
+        return teacher
+
+    return load
 
 
 def load_lora_student_and_teacher(cfg: Config, processor, ranks: Ranks):
@@ -452,12 +472,14 @@ def load_lora_student_and_teacher(cfg: Config, processor, ranks: Ranks):
     if cfg.distributed.activation_checkpointing:
         enable_activation_checkpointing(student)
     student = add_lora(student, cfg.model.lora, ema=teacher_class(cfg.teacher, lora_student=True).ADDS_EMA_ADAPTER)
-    teacher = make_teacher(cfg.teacher, student)
+    load_teacher = teacher_loader(cfg.model, processor, torch.device("cpu") if ranks.enabled else ranks.device)
+    teacher = make_teacher(cfg.teacher, student, load_model=load_teacher)
     if not ranks.enabled:
         return student, teacher
     student = shard_model(student.to(ranks.device), ranks, cfg.distributed, trainable=True)
-    if teacher.module is not None:  # a frozen copy of its own, sharded in place
-        shard_model(teacher.module.to(ranks.device), ranks, cfg.distributed, trainable=False)
+    if teacher.module is not None:  # a frozen copy (or a model teacher) of its own, sharded in place
+        shard_model(teacher.module.to(ranks.device), ranks, cfg.distributed, trainable=False,
+                    param_dtype=cfg.teacher.dtype if teacher_class(cfg.teacher, lora_student=True).LOADS_MODEL else None)
     return student, teacher
 
 
@@ -473,7 +495,8 @@ def describe_plan(cfg: Config) -> str:
     # A kind that neither samples nor asks a teacher (sft) uses the engine for evaluation only.
     sampling = (f"up to {r.max_new_tokens} new tokens, T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}" if loss.on_policy
                 else f"no sampling (loss {cfg.loss.kind}); {'greedy evaluation only' if cfg.eval.every else 'unused'}")
-    teacher = f"teacher {cfg.teacher.mode}" if loss.needs_teacher else f"no teacher (loss {cfg.loss.kind})"
+    model_teacher = f" {cfg.teacher.path} ({cfg.teacher.dtype})" if cfg.teacher.path else ""
+    teacher = f"teacher {cfg.teacher.mode}{model_teacher}" if loss.needs_teacher else f"no teacher (loss {cfg.loss.kind})"
     return "\n".join([
         f"plan: {t.max_steps} optimizer steps x {cfg.prompts_per_step} prompts x {r.samples_per_prompt} samples "
         f"({t.grad_accum_steps} micro-steps of {cfg.micro_batch_size} sequences)",
@@ -542,8 +565,10 @@ def describe_memory(cfg: Config, world_size: int, device_gb: float | None) -> st
     try:
         return plan_memory(cfg, world_size, device_gb).describe()
     except FileNotFoundError as err:
-        if cfg.model.build:
+        if cfg.model.build and not (Path(cfg.model.path) / "config.json").is_file():
             return f"memory plan: skipped, {cfg.model.path} is built at the first run (model.build: {cfg.model.build})"
+        if cfg.teacher.build:
+            return f"memory plan: skipped, {cfg.teacher.path} is built at the first run (teacher.build: {cfg.teacher.build})"
         return f"memory plan: skipped, {err}"
 
 

@@ -46,6 +46,23 @@ def tiny_text_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_large_dir(tmp_path_factory):
+    """A model teacher of the tiny VLM: deeper and wider, the same tokenizer and processor."""
+    from opsd import tiny_models
+
+    return tiny_models.build_tiny_vlm(tmp_path_factory.mktemp("models") / "tiny-vlm-large", seed=1, large=True)
+
+
+@pytest.fixture(scope="session")
+def padded_text_dir(tmp_path_factory):
+    """A model teacher of the tiny text model whose embeddings and LM head have 64 padding rows more."""
+    from opsd import tiny_models
+
+    return tiny_models.build_tiny_text_model(tmp_path_factory.mktemp("models") / "tiny-text-padded", seed=1,
+                                             large=True, extra_vocab_rows=64)
+
+
+@pytest.fixture(scope="session")
 def tied_text_dir(tiny_text_dir, tmp_path_factory):
     """The tiny text model with its LM head tied to the input embeddings."""
     import torch

@@ -26,7 +26,10 @@ from opsd.trainer.checkpoint import (
     MODEL_DIR, TEACHER_DIR, CheckpointError, read_trainer_state, resolve_checkpoint, verify_checkpoint,
 )
 from opsd.trainer.console import native_output_to_log
-from opsd.teacher import INITIAL_WEIGHTS, TEACHER_DIR_WEIGHTS, saved_weights
+from opsd.teacher import (
+    INITIAL_WEIGHTS, TEACHER_DIR_WEIGHTS, TEACHER_PATH_WEIGHTS, VocabView, check_teacher, head_rows, saved_weights,
+    teacher_class, teacher_loader,
+)
 
 @dataclasses.dataclass
 class ModelDirs:
@@ -41,7 +44,8 @@ def resolve_model_dirs(path: str | Path) -> ModelDirs:
     """A Hugging Face model directory (it scores both roles), or an opsd checkpoint (a run directory:
     its newest one), read through its manifest: the student from `model/`, the teacher as the run
     had it: `ema` from `teacher/`, `self` the student, `fixed` the run's initial weights (the
-    `model.path` of the run's config). A teacher that cannot be found stops with a message."""
+    `model.path` of the run's config), `model` the manifest's teacher path. A teacher that cannot be
+    found stops with a message."""
     path = Path(path)
     if (path / "config.json").is_file():
         return ModelDirs(str(path))
@@ -65,6 +69,8 @@ def resolve_model_dirs(path: str | Path) -> ModelDirs:
         teacher = checkpoint / TEACHER_DIR
     elif where == INITIAL_WEIGHTS:
         teacher = initial_weights(checkpoint, mode)
+    elif where == TEACHER_PATH_WEIGHTS:
+        teacher = manifest["teacher"]["path"]
     else:  # STUDENT_WEIGHTS: the student's weights score both roles
         teacher = None
     return ModelDirs(str(student), str(teacher) if teacher else None, manifest["step"])
@@ -108,6 +114,10 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     """
     model_dir = prepare_model_dir(cfg.model)
     processor = load_processor(cfg.model)
+    if teacher_path is None and teacher_class(cfg.teacher, lora_student=False).SAVED_WEIGHTS == TEACHER_PATH_WEIGHTS:
+        teacher_path = cfg.teacher.path  # a model teacher configured for a model directory's dump
+    if teacher_path is not None:  # another model's tokenizer stops here, before any weights
+        check_teacher(dataclasses.replace(cfg.teacher, mode="model", path=teacher_path, build=None), cfg.model, processor)
     samples = load_split(cfg, split, num_samples, processor)
     with native_output_to_log(log_file):
         engine = make_engine(cfg, model_dir, processor)
@@ -123,8 +133,11 @@ def dump_rollouts(cfg: Config, out_dir: str | Path, *, num_samples: int, split: 
     student = load_model(cfg.model, processor, device).eval()
     check_scoring_matches_forward(student)
     teacher = student
-    if teacher_path is not None:
-        teacher = load_model(dataclasses.replace(cfg.model, path=teacher_path), processor, device).eval()
+    if teacher_path is not None:  # a model teacher in its dtype, scored over the student's vocabulary
+        teacher_cfg = dataclasses.replace(cfg.teacher, mode="model", path=teacher_path, build=None)
+        teacher = teacher_loader(cfg.model, processor, device)(teacher_cfg)
+        if head_rows(teacher) > head_rows(student):
+            teacher = VocabView(teacher, head_rows(student))
     recorder = recorder_for(cfg)
     with torch.no_grad():
         for micro, scored in Scoring.from_config(cfg, processor).examples(student, teacher, examples):

@@ -4,7 +4,8 @@
 
     model/                 the student as a Hugging Face directory (safetensors, config, processor);
                            with LoRA its adapter as a PEFT directory (+ processor)
-    teacher/               the teacher the same way, when its mode keeps one (`model_dir`: the EMA)
+    teacher/               the teacher the same way, when its mode keeps one (`model_dir`: the EMA);
+                           a model teacher never: the manifest records its path and fingerprint
     train_state/           torch.distributed.checkpoint: model, optimizer, scheduler (+ the teacher's
                            `train_state`); with LoRA only the trainable (adapter) weights
     rng/rank-{r}.pt        each rank's RNG states
@@ -402,6 +403,7 @@ def _commit(tmp: Path, final: Path, step: int, parts: TrainingParts, trainer_sta
         "format_version": FORMAT_VERSION,
         "step": step,
         "teacher_mode": parts.teacher.mode,
+        **({"teacher": identity} if (identity := parts.teacher.identity()) else {}),
         "frozen_vision": parts.frozen_vision,
         "world_size": process_world_size(),
         "model": model_fingerprint(parts.student),
@@ -560,7 +562,7 @@ def load_checkpoint(path: Path, parts: TrainingParts, *, weights_only: bool = Fa
         _dcp_load(state, path)
         set_model_state_dict(parts.student, state[key], options=options)
         return manifest
-    refusal = resume_refusal(parts.teacher, saved_mode)
+    refusal = resume_refusal(parts.teacher, saved_mode, manifest.get("teacher"))
     if refusal:
         raise CheckpointError(f"checkpoint {path}: {refusal}")
     if manifest.get("frozen_vision", False) and not parts.frozen_vision:

@@ -46,12 +46,16 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_model(model: nn.Module, ranks: Ranks, cfg: DistributedConfig, *, trainable: bool) -> nn.Module:
-    """Shard `model` in place over `ranks.mesh`; a frozen model (`trainable=False`) may live on the CPU."""
+def shard_model(model: nn.Module, ranks: Ranks, cfg: DistributedConfig, *, trainable: bool,
+                param_dtype: str | None = None) -> nn.Module:
+    """Shard `model` in place over `ranks.mesh`; a frozen model (`trainable=False`) may live on the CPU.
+    `param_dtype`: the dtype its units gather in, instead of `distributed.param_dtype` (a model
+    teacher held in bfloat16 gathers in bfloat16)."""
     offload = CPUOffloadPolicy() if _offloaded(ranks, cfg, trainable) else OffloadPolicy()
+    gathered = DTYPES["bfloat16"] if param_dtype == "bfloat16" else DTYPES[cfg.param_dtype]
     options = dict(
         mesh=ranks.mesh,
-        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]),
+        mp_policy=MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=DTYPES[cfg.reduce_dtype]),
         offload_policy=offload,
     )
     for block in transformer_blocks(model):
@@ -86,11 +90,12 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def load_sharded(
-    empty: nn.Module, read_full_state_dict: Callable[[], dict], ranks: Ranks, cfg: DistributedConfig, *, trainable: bool
+    empty: nn.Module, read_full_state_dict: Callable[[], dict], ranks: Ranks, cfg: DistributedConfig, *, trainable: bool,
+    param_dtype: str | None = None,
 ) -> nn.Module:
     """Shard `empty` (meta parameters, real buffers), then fill every rank's shards with the weights
-    rank 0 alone reads (`read_full_state_dict` runs there only)."""
-    shard_model(empty, ranks, cfg, trainable=trainable)
+    rank 0 alone reads (`read_full_state_dict` runs there only; cast to the shards' dtype)."""
+    shard_model(empty, ranks, cfg, trainable=trainable, param_dtype=param_dtype)
     _materialize(empty, torch.device("cpu") if _offloaded(ranks, cfg, trainable) else ranks.device)
     full = read_full_state_dict() if ranks.is_main else {}
     set_model_state_dict(empty, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -8,8 +8,11 @@ activations and the engine's runtime are estimates, said so in the output.
 Per rank, with P parameters sharded over S ranks (FSDP: all ranks; HSDP: `distributed.shard_size`):
 - student master weights, gradients (reduce-scattered every micro-step, so sharded), AdamW's two
   states: 4 + 4 + 8 bytes x P / S; an `ema`/`fixed` teacher another 4 x P / S (0 when offloaded);
+  a model teacher (`teacher.mode: model`) its own T parameters x `teacher.dtype` bytes / S;
 - gathered FSDP units while computing: the root unit (embeddings, LM head, vision stem) of the
-  student and of the teacher, plus two blocks (one computing, one prefetched), in `param_dtype`;
+  student and of the teacher, plus two blocks (one computing, one prefetched; the larger model's),
+  in `param_dtype` (a bfloat16 model teacher's in bfloat16); a model teacher's forward also holds
+  one of its blocks' working set;
 - activations of one micro-step at `max_forward_tokens` per sequence (block inputs kept under
   activation checkpointing plus one block recomputed, or every block's), the vision tower's for the
   problem images, and the completion logits of both roles;
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -162,6 +165,8 @@ class MemoryPlan:
     """(item, GB per rank, how it was counted)."""
     rollout_gb: float
     training_gb: float
+    hints: list[str] = field(default_factory=list)
+    """Settings of this config that would lower the peak, named first when it does not fit."""
 
     @property
     def peak_gb(self) -> float:
@@ -188,10 +193,13 @@ class MemoryPlan:
                 f"({self.device_gb - self.peak_gb:.1f} GB to spare; plan keeps {100 * (1 - HEADROOM):.0f}% headroom)"
             )
         else:
+            over = self.peak_gb - HEADROOM * self.device_gb
+            hints = "".join(f"{hint}; " for hint in self.hints)
             lines.append(
-                f"  WARNING: DOES NOT FIT: peak {self.peak_gb:.1f} GB > {HEADROOM:.0%} of {self.device_gb:.0f} GB. "
-                "More ranks (torchrun), distributed.activation_checkpointing, a smaller train.max_forward_tokens, "
-                "rollout.kv_cache_memory_mb / gpu_memory_utilization, or distributed.cpu_offload_teacher lower it."
+                f"  WARNING: DOES NOT FIT: peak {self.peak_gb:.1f} GB > {HEADROOM:.0%} of {self.device_gb:.0f} GB "
+                f"(by {over:.1f} GB). {hints}More ranks (torchrun), distributed.activation_checkpointing, a smaller "
+                "train.max_forward_tokens, rollout.kv_cache_memory_mb / gpu_memory_utilization, or "
+                "distributed.cpu_offload_teacher lower it."
             )
         return "\n".join(lines)
 
@@ -229,21 +237,36 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> Memory
                       f"float32 {per}" + (", reduce-scattered every micro-step" if shard > 1 else "") + frozen)
         static += add("optimizer", 8 * (P - V) / shard, f"AdamW: 2 float32 states {per}{frozen}")
     teacher = teacher_class(cfg.teacher, lora_student=lora is not None)
+    own = teacher_shape(cfg) if teacher.LOADS_MODEL else None  # a model teacher of its own
+    teacher_bytes = DTYPE_BYTES[cfg.teacher.dtype]
     shared = V if shard == 1 else 0
     memory = TeacherMemory(copy_bytes=4 * (P - shared) / shard, adapter_bytes=4 * A / shard, per=per,
                            offloaded=dist.cpu_offload_teacher and world_size > 1,
-                           shared="the frozen vision tower" if shared else "")
-    static += add(f"teacher ({cfg.teacher.mode})", *teacher.memory_row(memory))
+                           shared="the frozen vision tower" if shared else "",
+                           model_bytes=teacher_bytes * own.parameters / shard if own else 0.0, model_dtype=cfg.teacher.dtype)
+    label = f"teacher ({cfg.teacher.mode}{f', {own.parameters / 1e9:.1f}B' if own else ''})"
+    teacher_gb = add(label, *teacher.memory_row(memory))
+    static += teacher_gb
     static += add("CUDA context, NCCL, slack", CONTEXT_GB * GB, "estimate")
+    hints = []
+    if own and cfg.teacher.dtype == "float32" and not memory.offloaded:
+        hints.append(f"teacher.dtype=bfloat16 (with model.dtype=bfloat16) saves {teacher_gb / 2:.1f} GB")
+    if own and shard < world_size:
+        hints.append(f"distributed.shard_size={world_size} shards the teacher over all {world_size} ranks")
 
     gathered = 0.0
     if shard > 1:
-        roots = 2 if teacher.HOLDS_COPY else 1
+        # A frozen copy gathers like the student; a model teacher its own units, in its dtype when bfloat16.
+        teacher_gather = DTYPE_BYTES["bfloat16"] if own and cfg.teacher.dtype == "bfloat16" else gathered_bytes
+        t_root, t_block = (own.root_parameters, own.largest_block) if own else (
+            (shape.root_parameters, shape.largest_block) if teacher.HOLDS_COPY else (0, 0))
+        roots = 2 if own or teacher.HOLDS_COPY else 1
+        block_bytes = max(shape.largest_block * gathered_bytes, t_block * teacher_gather)
         gathered = add(
             "gathered FSDP units",
-            (roots * shape.root_parameters + 2 * shape.largest_block) * gathered_bytes,
-            f"{dist.param_dtype}: {roots} root unit(s) ({shape.root_parameters / 1e9:.2f}B) + 2 blocks "
-            f"({shape.largest_block / 1e6:.0f}M each)",
+            shape.root_parameters * gathered_bytes + t_root * teacher_gather + 2 * block_bytes,
+            f"{dist.param_dtype}: {roots} root unit(s) ({shape.root_parameters / 1e9:.2f}B"
+            f"{f' + {t_root / 1e9:.2f}B' if own else ''}) + 2 blocks ({block_bytes / gathered_bytes / 1e6:.0f}M each)",
         )
 
     sequences = cfg.micro_batch_size
@@ -266,6 +289,12 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> Memory
         f"{sequences} sequence(s) x {train.max_forward_tokens} tokens{vision_note}, "
         f"checkpointing {'on' if checkpointing else 'off'}",
     )
+    if own:  # no grad: one block's working set at a time, beside the student's kept activations
+        activations += add(
+            "teacher forward (estimate)",
+            _block_activations(tokens, 1, own.hidden, own.intermediate, own.kv_dim, compute, False),
+            f"one of its blocks at a time, no grad ({own.layers} layers, hidden {own.hidden})",
+        ) * GB
     completion = sequences * min(rollout.max_new_tokens, train.max_forward_tokens)
     logits = completion * shape.vocab * 3 * compute + min(completion, build_loss(cfg.loss).chunk_rows) * shape.vocab * 4 * 6
     add("logits (estimate)", logits, f"{completion} completion positions x {shape.vocab} (both roles, loss chunks in float32)")
@@ -274,8 +303,16 @@ def plan_memory(cfg: Config, world_size: int, device_gb: float | None) -> Memory
     engine_awake, engine_asleep = _engine(cfg, shape, world_size, device_gb, add)
     return MemoryPlan(
         world_size=world_size, shard_size=shard, device_gb=device_gb, config_source=config_source, shape=shape,
-        rows=rows, rollout_gb=static + engine_awake, training_gb=static + training_extra + engine_asleep,
+        rows=rows, rollout_gb=static + engine_awake, training_gb=static + training_extra + engine_asleep, hints=hints,
     )
+
+
+def teacher_shape(cfg: Config) -> ModelShape:
+    """The shape of a model teacher (`teacher.path`), from its config alone, as the student's."""
+    from opsd.modeling import teacher_model_config
+
+    config, _ = hf_config(teacher_model_config(cfg.model, cfg.teacher))
+    return model_shape(config)
 
 
 def _engine(cfg: Config, shape: ModelShape, world_size: int, device_gb: float | None, add) -> tuple[float, float]:

@@ -154,6 +154,22 @@ def test_lora_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, grid
         assert_close_weights(saved, load_file(single.output_dir / f"checkpoint-{STEPS}" / role / "adapter_model.safetensors"))
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_model_teacher_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, tiny_vlm_large_dir, grid_data_dir):
+    """A model teacher (a deeper, wider tiny VLM) in FSDP2 units of its own: the same losses as one
+    process, and each rank's engine gets the student alone, the single process's weights."""
+    teacher = [f"teacher={{mode: model, path: {tiny_vlm_large_dir}}}"]
+    single = Run(launch([sys.executable], tmp_path / "single", tiny_vlm_dir, grid_data_dir,
+                        "train.prompts_per_micro_step=2", *teacher), tmp_path / "single")
+    run = torchrun(tmp_path / "two-ranks", tiny_vlm_dir, grid_data_dir, *teacher)
+    assert_same_training(run.metrics(), single.metrics())
+    rank0, rank1 = run.pushed(0), run.pushed(1)
+    assert rank0.keys() == rank1.keys() == single.pushed(0).keys()  # the student's names: no teacher's
+    assert_close_weights(rank0, single.pushed(0))
+    assert all(r["weight_sync_bytes"] == single.metrics()[1]["weight_sync_bytes"] for r in run.metrics()[1:])
+
+
 STOP_BOUND_S = 90
 """Signal to exit of a stop on the tiny VLM (the rest of the stage, one save, closing); loaded machine, with room."""
 

@@ -84,7 +84,8 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     sft = records({0: 0.0, 5: 0.5, 10: 0.8}, {0: (1.0, 3.0), 5: (0.9, 3.2), 10: (0.75, 3.5)}, step_s=2.0)
     opsd = records({0: 0.0, 5: 0.2, 10: 0.4, 15: 0.6, 20: 0.75}, {s: (1.0, 3.0 + s / 100) for s in range(0, 25, 5)}, step_s=4.0)
     control = records({0: 0.0, 5: 0.03, 10: 0.0}, {0: (1.0, 3.0), 5: (1.0, 3.0), 10: (0.5, 3.0)}, step_s=4.0)
-    for name, run in (("opsd", opsd), ("no_privileged", control), ("noise", control), ("sft", sft)):
+    taught = records({0: 0.0, 5: 0.3, 10: 0.5}, {s: (0.9, 3.0) for s in (0, 5, 10)}, step_s=4.0)
+    for name, run in (("opsd", opsd), ("no_privileged", control), ("noise", control), ("sft", sft), ("model_teacher", taught)):
         (out / "text_facts" / name).mkdir(parents=True)
         (out / "text_facts" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run))
     assert learning.main(["--tasks", "text_facts", "--keep", "--opsd-steps", "20", "--out", str(out), "model.build=null"]) == 0
@@ -92,7 +93,7 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     assert report == json.loads((out / "report.json").read_text())
     task = report["tasks"]["text_facts"]
     assert task == json.loads((out / "text_facts" / "report.json").read_text())  # the task's own section
-    assert report["runs"] == task["runs"] and list(task["runs"]) == ["opsd", "no_privileged", "noise", "sft"]
+    assert report["runs"] == task["runs"] and list(task["runs"]) == ["opsd", "no_privileged", "noise", "sft", "model_teacher"]
     assert task["steps"] == 10 and task["opsd_steps"] == 20
     for name, run in task["runs"].items():
         end = 20 if name == "opsd" else 10
@@ -104,6 +105,9 @@ def test_the_report_holds_each_task_with_every_runs_retention_and_the_comparison
     assert comparison["equal_steps"]["opsd"]["retention_nll"] == pytest.approx(3.1)
     assert report["acceptance"]["text_facts.opsd_within_10_points_of_sft"] is True
     assert report["acceptance"]["text_facts.opsd_gain_points"] == 40.0
+    assert report["acceptance"]["text_facts.model_teacher_gains_20_points"] is True  # sft's model taught it 50 points
+    assert task["runs"]["model_teacher"]["overrides"] == [
+        "prompts.privileged=[]", f"teacher={{mode: model, path: {out / 'text_facts' / 'sft' / 'checkpoint-10' / 'model'}}}"]
     # Reused runs count with their stages' seconds (opsd 20 x 4 s + 5 evaluations, sft 10 x 2 s + 3, ...).
     assert report["total_wall_s"] >= 85 + 23 + 2 * 43
     assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
