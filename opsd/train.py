@@ -85,7 +85,7 @@ from opsd.rollout import EngineLost, RolloutEngine, make_engine
 from opsd.rollout.weight_sync import check_adapter_receiver, sync_student
 from opsd.scoring import Scoring, Timed, UnsupportedModelError, check_scoring_matches_forward, untimed
 from opsd.sequences import Example, encode_prompt, padding_example, prompt_length_check
-from opsd.teacher import Teacher, TeacherLoader, check_teacher, make_teacher, teacher_class, teacher_loader
+from opsd.teacher import Teacher, TeacherLoader, check_teacher, frozen_copy, make_teacher, teacher_class, teacher_loader
 from opsd.trainer.checkpoint import CheckpointError, TrainingParts, latest_checkpoint
 from opsd.trainer.checkpoint_manager import CheckpointManager
 from opsd.trainer.console import native_output_to_log, third_party_output
@@ -433,7 +433,7 @@ def load_student_and_teacher(cfg: Config, processor, ranks: Ranks):
         enable_activation_checkpointing(student)
     if not ranks.enabled:
         check_scoring_matches_forward(student)  # a model whose logits scoring would not reproduce stops here
-        return student, make_teacher(cfg.teacher, student, load_model=teacher_loader(cfg.model, processor, ranks.device))
+        return student, make_teacher(cfg.teacher, student, frozen_copy, teacher_loader(cfg.model, processor, ranks.device))
     read = lambda: load_model(cfg.model, processor, torch.device("cpu")).state_dict()  # noqa: E731
     student = load_sharded(student, read, ranks, cfg.distributed, trainable=True)
     check_scoring_matches_forward(student)  # on every rank: the sharded forwards gather collectively
@@ -473,7 +473,7 @@ def load_lora_student_and_teacher(cfg: Config, processor, ranks: Ranks):
         enable_activation_checkpointing(student)
     student = add_lora(student, cfg.model.lora, ema=teacher_class(cfg.teacher, lora_student=True).ADDS_EMA_ADAPTER)
     load_teacher = teacher_loader(cfg.model, processor, torch.device("cpu") if ranks.enabled else ranks.device)
-    teacher = make_teacher(cfg.teacher, student, load_model=load_teacher)
+    teacher = make_teacher(cfg.teacher, student, frozen_copy, load_teacher)
     if not ranks.enabled:
         return student, teacher
     student = shard_model(student.to(ranks.device), ranks, cfg.distributed, trainable=True)
