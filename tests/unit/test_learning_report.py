@@ -1,20 +1,16 @@
 """bench/learning.py's report from metrics records: retention at step 0 and at the end of every run,
 opsd beside sft at equal steps, training time and accuracy, the acceptance keys."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def learning():
-    spec = importlib.util.spec_from_file_location("bench_learning", ROOT / "bench" / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("learning", "bench_learning")
 
 
 def records(accuracies: dict[int, float], retention: dict[int, tuple[float, float]], step_s: float) -> list[dict]:

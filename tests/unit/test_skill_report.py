@@ -1,20 +1,14 @@
 """bench/learning.py's skill task report from metrics records: per-seed gains beside the accuracies,
 mean and min-max, tokens to reach the stated accuracy, opsd beside grpo at equal tokens, acceptance."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def learning():
-    spec = importlib.util.spec_from_file_location("bench_learning_skill", ROOT / "bench" / "learning.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("learning", "bench_learning_skill")
 
 
 def records(accuracies: dict[int, float], tokens_per_step: int) -> list[dict]:
