@@ -23,12 +23,14 @@ smoke: $(ENV_STAMP)
 
 # Everything: tests/unit and tests/integration (real vLLM engines, training runs, torchrun). CI runs this.
 # Budget: 8 minutes on 2 idle cores; each target ends with its 20 slowest tests (docs/development.md).
+# Two workers (pytest-xdist), each taking whole files, the longest first (tests/conftest.py).
+PYTEST := $(PYTHON) -m pytest -q --durations=20 -n 2 --dist loadfile --no-loadscope-reorder
 test: $(ENV_STAMP)
-	$(PYTHON) -m pytest -q --durations=20
+	$(PYTEST)
 
 # The unit tier: no engine run, no training run, no torchrun; budget 60 s on 2 idle cores.
 test-fast: $(ENV_STAMP)
-	$(PYTHON) -m pytest -q --durations=20 tests/unit
+	$(PYTEST) tests/unit
 
 bench: $(ENV_STAMP)
 	$(PYTHON) bench/loss_memory.py

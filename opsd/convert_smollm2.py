@@ -14,7 +14,9 @@ transformers and vLLM load the result like any other model directory. Nothing is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
+import io
 import shutil
 import sys
 from pathlib import Path
@@ -47,7 +49,11 @@ def load_plain(gguf_file=None, dtype: str = "float32"):
     if not gguf.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers' own tqdm bars ("Converting and de-quantizing GGUF tensors": plain tqdm, deaf to its
+    # progress-bar switch) would break into the console of a run that builds its model; a failure
+    # still raises.
+    with contextlib.redirect_stderr(io.StringIO()):
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config
     del config.quantization_config  # its presence is what makes save_pretrained refuse
     config.dtype = dtype
@@ -55,6 +61,13 @@ def load_plain(gguf_file=None, dtype: str = "float32"):
     plain.load_state_dict(quantized.state_dict())
     plain.generation_config = quantized.generation_config
     return plain.to(getattr(torch, dtype)), tokenizer
+
+
+def load_converted(model_dir):
+    """(plain `LlamaForCausalLM`, tokenizer) from a directory `convert` wrote."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir)
 
 
 def convert(out_dir, *, gguf_file=None, dtype: str = "float32") -> Path:

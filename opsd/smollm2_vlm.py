@@ -166,9 +166,12 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def build(out_dir, *, settings: BuildSettings = BuildSettings(), gguf_file=None, log=_log) -> Path:
-    """Write the seeing SmolLM2 into `out_dir` unless a finished build is already there."""
-    from opsd.convert_smollm2 import load_plain, write_model_dir
+def build(out_dir, *, settings: BuildSettings = BuildSettings(), gguf_file=None, text_dir=None, log=_log) -> Path:
+    """Write the seeing SmolLM2 into `out_dir` unless a finished build is already there.
+
+    `text_dir`: SmolLM2 already converted (`opsd.convert_smollm2.convert`), read instead of the GGUF
+    file (the same weights and tokenizer; reading the GGUF file takes most of a minute)."""
+    from opsd.convert_smollm2 import load_converted, load_plain, write_model_dir
 
     out = Path(out_dir)
     if (out / MARKER).exists():
@@ -176,7 +179,7 @@ def build(out_dir, *, settings: BuildSettings = BuildSettings(), gguf_file=None,
     wall0, cpu0 = time.perf_counter(), _cpu_seconds()
     torch.manual_seed(settings.seed)
     rng = random.Random(f"opsd-smollm2-vlm:{settings.seed}")
-    text_model, tokenizer = load_plain(gguf_file)
+    text_model, tokenizer = load_converted(text_dir) if text_dir is not None else load_plain(gguf_file)
     model, processor = shell(text_model, tokenizer)
     del text_model
     model.requires_grad_(False)

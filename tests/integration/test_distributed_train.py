@@ -125,17 +125,6 @@ def test_two_ranks_match_a_single_process_on_the_same_global_batch(two_ranks, si
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_tensor_parallel_engine_over_two_ranks_samples_what_one_engine_would(tmp_path, tiny_vlm_dir, grid_data_dir, single_process):
-    """vLLM's external launcher: the two ranks form one engine, each holding half of every layer."""
-    run = torchrun(tmp_path / "tp2", tiny_vlm_dir, grid_data_dir, "rollout.tensor_parallel_size=2")
-    assert_same_training(run.metrics(), single_process.metrics())
-    assert_close_weights(run.pushed(1), single_process.pushed(0))
-    engines = [json.loads((run.output_dir / f"engine_rank{r}.json").read_text()) for r in (0, 1)]
-    assert all(name.startswith(f"dp0:pp0:pcp0:tp{r}:") for r in (0, 1) for name in engines[r])  # shards
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
 def test_lora_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, grid_data_dir):
     """LoRA under FSDP2 (frozen base and trainable adapter in the same units, the EMA adapter sharded
     alike): the adapter each rank pushes into its engine is the single-process run's, and the
@@ -156,18 +145,25 @@ def test_lora_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, grid
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_model_teacher_on_two_ranks_matches_a_single_process(tmp_path, tiny_vlm_dir, tiny_vlm_large_dir, grid_data_dir):
-    """A model teacher (a deeper, wider tiny VLM) in FSDP2 units of its own: the same losses as one
-    process, and each rank's engine gets the student alone, the single process's weights."""
+def test_a_model_teacher_and_a_tensor_parallel_engine_on_two_ranks_match_a_single_process(tmp_path, tiny_vlm_dir,
+                                                                                          tiny_vlm_large_dir, grid_data_dir):
+    """Two paths in one run (each adds its own to what the plain 2-rank run checks): a model teacher (a
+    deeper, wider tiny VLM) in FSDP2 units of its own, and vLLM's external launcher, the two ranks forming
+    one engine that holds half of every layer on each. The same losses as one process with that teacher
+    (so the engine sampled what one engine would), and the engine gets the student alone, the single
+    process's weights."""
     teacher = [f"teacher={{mode: model, path: {tiny_vlm_large_dir}}}"]
     single = Run(launch([sys.executable], tmp_path / "single", tiny_vlm_dir, grid_data_dir,
                         "train.prompts_per_micro_step=2", *teacher), tmp_path / "single")
-    run = torchrun(tmp_path / "two-ranks", tiny_vlm_dir, grid_data_dir, *teacher)
+    run = torchrun(tmp_path / "two-ranks", tiny_vlm_dir, grid_data_dir, *teacher, "rollout.tensor_parallel_size=2")
     assert_same_training(run.metrics(), single.metrics())
     rank0, rank1 = run.pushed(0), run.pushed(1)
     assert rank0.keys() == rank1.keys() == single.pushed(0).keys()  # the student's names: no teacher's
     assert_close_weights(rank0, single.pushed(0))
+    assert_close_weights(rank1, single.pushed(0))
     assert all(r["weight_sync_bytes"] == single.metrics()[1]["weight_sync_bytes"] for r in run.metrics()[1:])
+    engines = [json.loads((run.output_dir / f"engine_rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(name.startswith(f"dp0:pp0:pcp0:tp{r}:") for r in (0, 1) for name in engines[r])  # shards
 
 
 STOP_BOUND_S = 90

