@@ -9,6 +9,9 @@ import re
 __all__ = ["extract_answer", "is_correct", "normalise_answer"]
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+                "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty")
+"""A whole answer that is one of these words compares as its numeral ("seven" = "7")."""
 
 
 def extract_answer(text: str, pattern: str) -> str | None:
@@ -22,12 +25,14 @@ def extract_answer(text: str, pattern: str) -> str | None:
 
 def normalise_answer(answer: str) -> str:
     """Case, surrounding spaces/markup and final punctuation do not count; numbers compare by
-    value ("1,000" = "1000", "12.0" = "12")."""
+    value ("1,000" = "1000", "12.0" = "12"), and a number word as its numeral ("seven" = "7")."""
     text = " ".join(answer.strip().casefold().split())
     text = text.strip("*$`\"' ").rstrip(".!").strip()
     boxed = re.fullmatch(r"\\boxed\{(.*)\}", text)
     if boxed:
         text = boxed.group(1).strip()
+    if text in NUMBER_WORDS:
+        return str(NUMBER_WORDS.index(text))
     number = text.replace(",", "")
     if _NUMBER.fullmatch(number):
         value = float(number)

@@ -7,7 +7,8 @@ download). Each is shown to the student as a 64-pixel picture (dark strokes on w
 space). The teacher's prompt adds a printed rendering of the same digit (Pillow's built-in font,
 dark grey on white) as its privileged picture, which the seeing SmolLM2's tower is taught to read
 (`opsd.smollm2_vlm.build_digits`); the handwriting it reads badly. Train and eval rows are disjoint
-images of one fixed shuffle of the 1,797 (`seed`): evaluation is on handwriting never trained on.
+images of one fixed shuffle of the 1,797 less the 100 set aside for the model build (`BUILD_SCANS`),
+`seed`: evaluation is on handwriting never trained on.
 
 Files written by `write_dataset` (parquet, project schema): train.parquet, eval.parquet
 (validation.parquet when asked), columns id (`digits-<UCI index>`), question, answer, images (the
@@ -57,11 +58,25 @@ def draw_printed(digit: int, rng: random.Random, size: int = 64) -> Image.Image:
     return image
 
 
-def split_indices(seed: int, counts: dict[str, int], total: int) -> dict[str, list[int]]:
-    """Disjoint UCI indices per split, from one fixed shuffle of all `total` images."""
-    if sum(counts.values()) > total:
-        raise ValueError(f"the splits ask for {sum(counts.values())} images; the digits data hold {total}")
+BUILD_SCANS = 100
+"""UCI scans set aside for the model build (`opsd.smollm2_vlm.build_digits` shows its tower a few of
+them), whatever the seed: no split ever holds one, so no run trains or is judged on them."""
+
+
+def build_indices(total: int) -> list[int]:
+    """The `BUILD_SCANS` UCI indices of the model build, in a fixed order."""
     order = list(range(total))
+    random.Random("opsd-digits:build").shuffle(order)
+    return order[:BUILD_SCANS]
+
+
+def split_indices(seed: int, counts: dict[str, int], total: int) -> dict[str, list[int]]:
+    """Disjoint UCI indices per split, from one fixed shuffle of the `total` images less the build's."""
+    reserved = set(build_indices(total))
+    if sum(counts.values()) > total - len(reserved):
+        raise ValueError(f"the splits ask for {sum(counts.values())} images; the digits data hold "
+                         f"{total - len(reserved)} besides the {len(reserved)} of the model build")
+    order = [i for i in range(total) if i not in reserved]
     random.Random(f"opsd-digits:{seed}").shuffle(order)
     out, start = {}, 0
     for split, n in counts.items():

@@ -28,7 +28,8 @@ def test_extract_answer(text, pattern, expected):
     [
         ("Left", "left", True), (" up. ", "up", True), ("1,000", "1000", True), ("12.0", "12", True),
         ("\\boxed{7}", "7", True), ("**right**", "right", True), ("12", "13", False), ("up", "down", False),
-        ("3 apples", "3", False),
+        ("3 apples", "3", False), ("Seven.", "7", True), ("seven", "SEVEN", True), ("7", "seven", True),
+        ("twenty", "20", True), ("one", "11", False), ("seventy", "70", False), ("the one", "1", False),
     ],
 )
 def test_normalised_exact_match(a, b, same):
