@@ -23,7 +23,9 @@ import random
 
 from PIL import Image, ImageDraw, ImageFont
 
-WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+from opsd.answers import NUMBER_WORDS
+
+WORDS = NUMBER_WORDS[:10]  # "zero" .. "nine": the answers, which answer matching also reads as numerals
 QUESTION = "Which digit is written in this picture? Answer with one word."
 INK = (40, 40, 40)
 PRINTED_FONT_SIZE = 44

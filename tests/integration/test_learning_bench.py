@@ -94,5 +94,3 @@ def test_two_step_runs_of_two_tasks_report_every_run_side_by_side(tmp_path, tiny
             "visual.noise_moves_under_5_points"} <= set(report["acceptance"])
     assert "visual.no_privileged_moves_under_5_points" not in report["acceptance"]  # a run not asked for
     assert Path(task["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
