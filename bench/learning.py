@@ -32,8 +32,9 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
                  trains on. Runs (`--skill-runs`): opsd and grpo (`--skill-seeds`, 3 by default: mean
                  and min-max), opsd_reward (opsd + the answer-checking GRPO term), sft (cross-entropy on
                  the answer), noise and no_privileged. Accuracy by optimizer step and by sampled
-                 completion token; the tokens each run needed to reach a stated accuracy. Its
-                 acceptance: the opsd mean +15 points, the controls within 5.
+                 completion token; the tokens each run needed to reach a stated accuracy; opsd beside
+                 grpo at equal tokens and at equal steps. Its acceptance: the opsd mean +15 points,
+                 the controls within 5.
 
     .venv/bin/python bench/learning.py [--tasks text_facts visual skill] [--runs opsd no_privileged noise sft model_teacher]
         [--visual-runs opsd noise no_privileged sft] [--visual-opsd-steps 20]
@@ -511,6 +512,24 @@ def opsd_vs_grpo(runs: dict) -> dict | None:
     return out
 
 
+def opsd_vs_grpo_equal_steps(runs: dict) -> dict | None:
+    """opsd and grpo at each evaluation step both have: held-out accuracy (mean and min-max over
+    seeds) and the completion tokens sampled so far (seed mean). With evaluations a few steps apart
+    the equal-token comparison can fall on an earlier evaluation of one run; this one cannot."""
+    if "opsd" not in runs or "grpo" not in runs:
+        return None
+    curves = {name: {c["step"]: c for c in runs[name]["curve"]} for name in ("opsd", "grpo")}
+    out = []
+    for step in sorted(set(curves["opsd"]) & set(curves["grpo"])):
+        point = {"step": step}
+        for name in ("opsd", "grpo"):
+            point[name] = {"student_accuracy": curves[name][step]["student_accuracy"],
+                           "completion_tokens": curves[name][step]["completion_tokens"]}
+        point["opsd_minus_grpo_points"] = 100 * (point["opsd"]["student_accuracy"]["mean"] - point["grpo"]["student_accuracy"]["mean"])
+        out.append(point)
+    return out
+
+
 def skill_acceptance(runs: dict) -> dict:
     """The bar, in points from step 0 to each run's end: the opsd seeds' mean +15, the noise and
     no-privileged controls within 5; the base model's accuracy between 5% and 40% (a GRPO signal)."""
@@ -599,6 +618,7 @@ def skill_task(args, out: Path, progress) -> dict:
             task["target_accuracy"] = runs["opsd"]["curve"][0]["student_accuracy"]["mean"] + SKILL_TARGET_POINTS / 100
             task["tokens_to_target"] = tokens_to_reach(runs, task["target_accuracy"])
         task["opsd_vs_grpo_equal_tokens"] = opsd_vs_grpo(runs)
+        task["opsd_vs_grpo_equal_steps"] = opsd_vs_grpo_equal_steps(runs)
         task["acceptance"] = skill_acceptance(runs)
         task["wall_s"] = build["wall_s"] + time.perf_counter() - started
         task["cpu_s"] = build["cpu_s"] + sum(r["cpu_s"] for r in runs.values())

@@ -218,7 +218,7 @@ class DigitSettings:
     handwritten_items: int = 20
     """Then a few handwritten digits (of the scans no split holds, `opsd.data.digits.build_indices`),
     so that the student starts above chance (measured, greedy on the 100 held-out digits: 1% without,
-    28% with 20) and GRPO has rewards to learn from; 0 = none."""
+    24% with 20) and GRPO has rewards to learn from; 0 = none."""
     handwritten_steps: int = 300
     handwritten_per_step: int = 8
 

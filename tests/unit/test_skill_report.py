@@ -1,5 +1,5 @@
 """bench/learning.py's skill task report from metrics records: per-seed gains beside the accuracies,
-mean and min-max, tokens to reach the stated accuracy, opsd beside grpo at equal tokens, acceptance."""
+mean and min-max, tokens to reach the stated accuracy, opsd beside grpo at equal tokens and at equal steps, acceptance."""
 
 import pytest
 
@@ -30,7 +30,7 @@ def seed(learning, number, accuracies, tokens_per_step):
             "completion_tokens": evals[-1]["completion_tokens"], "wall_s": 10.0, "cpu_s": 20.0}
 
 
-def test_the_skill_report_holds_seeds_spreads_tokens_to_target_and_the_equal_token_comparison(learning, tmp_path):
+def test_the_skill_report_holds_seeds_spreads_tokens_to_target_and_the_opsd_grpo_comparisons(learning, tmp_path):
     runs = {
         "opsd": learning.skill_run_summary([seed(learning, 0, {0: 0.1, 5: 0.3, 10: 0.4}, 10),
                                             seed(learning, 1, {0: 0.1, 5: 0.2, 10: 0.3}, 12)]),
@@ -50,6 +50,11 @@ def test_the_skill_report_holds_seeds_spreads_tokens_to_target_and_the_equal_tok
     assert equal["completion_tokens"] == 110  # opsd's mean total (100, 120) is the smaller
     assert equal["grpo"]["steps"] == [5, 5] and equal["opsd"]["steps"] == [10, 5]
     assert equal["opsd_minus_grpo_points"] == pytest.approx(100 * ((0.4 + 0.2) / 2 - (0.15 + 0.1) / 2))
+    by_step = learning.opsd_vs_grpo_equal_steps(runs)
+    assert [p["step"] for p in by_step] == [0, 5, 10]
+    assert by_step[2]["opsd_minus_grpo_points"] == pytest.approx(100 * ((0.4 + 0.3) / 2 - (0.2 + 0.1) / 2))
+    assert by_step[2]["grpo"]["completion_tokens"] == 200 and by_step[2]["opsd"]["completion_tokens"] == 110
+    assert learning.opsd_vs_grpo_equal_steps({"opsd": runs["opsd"]}) is None
     acceptance = learning.skill_acceptance(runs)
     assert acceptance["opsd_gain_points"] == 25.0 and acceptance["opsd_mean_gains_15_points"] is True
     assert acceptance["noise_moves_under_5_points"] is True and acceptance["base_accuracy_between_5_and_40"] is True
