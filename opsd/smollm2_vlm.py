@@ -238,15 +238,14 @@ def digit_fit(model, processor, seed: int, items: int) -> dict[str, float]:
     """The fraction of printed digits (new renderings) and of handwritten ones (the first `items` of
     the UCI scans the build never shows) whose image token is nearest, among the ten digit words'
     embeddings, to the right word."""
-    from opsd.data.digits import build_indices, draw_handwritten, draw_printed, load_digits
+    from opsd.data.digits import draw_handwritten, draw_printed, load_digits, unreserved_indices
 
     words = torch.tensor(digit_word_ids(processor.tokenizer))
     embeddings = model.get_input_embeddings().weight[words]
     rng = random.Random(f"opsd-smollm2-vlm-digits-eval:{seed}")
     printed_labels = [rng.randrange(10) for _ in range(items)]
     images, labels = load_digits()
-    reserved = set(build_indices(len(labels)))
-    unseen = [i for i in range(len(labels)) if i not in reserved][:items]
+    unseen = unreserved_indices(len(labels))[:items]
     out = {}
     for name, pictures, wanted in (
         ("printed", [draw_printed(d, rng, IMAGE_SIZE) for d in printed_labels], printed_labels),

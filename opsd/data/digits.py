@@ -72,13 +72,18 @@ def build_indices(total: int) -> list[int]:
     return order[:BUILD_SCANS]
 
 
+def unreserved_indices(total: int) -> list[int]:
+    """The UCI indices the model build never sees, in UCI order: what the splits are drawn from."""
+    reserved = set(build_indices(total))
+    return [i for i in range(total) if i not in reserved]
+
+
 def split_indices(seed: int, counts: dict[str, int], total: int) -> dict[str, list[int]]:
     """Disjoint UCI indices per split, from one fixed shuffle of the `total` images less the build's."""
-    reserved = set(build_indices(total))
-    if sum(counts.values()) > total - len(reserved):
+    order = unreserved_indices(total)
+    if sum(counts.values()) > len(order):
         raise ValueError(f"the splits ask for {sum(counts.values())} images; the digits data hold "
-                         f"{total - len(reserved)} besides the {len(reserved)} of the model build")
-    order = [i for i in range(total) if i not in reserved]
+                         f"{len(order)} besides the {total - len(order)} of the model build")
     random.Random(f"opsd-digits:{seed}").shuffle(order)
     out, start = {}, 0
     for split, n in counts.items():
