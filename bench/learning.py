@@ -34,7 +34,7 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
                  the answer), noise and no_privileged. Accuracy by optimizer step and by sampled
                  completion token; the tokens each run needed to reach a stated accuracy; opsd beside
                  grpo at equal tokens and at equal steps. Its acceptance: the opsd mean +15 points,
-                 the controls within 5. Each run's checkpoints are deleted once its records are read.
+                 the controls within 5. The runs write no checkpoint (`checkpoint.save_final=false`).
 
     .venv/bin/python bench/learning.py [--tasks text_facts visual skill] [--runs opsd no_privileged noise sft model_teacher]
         [--visual-runs opsd noise no_privileged sft] [--visual-opsd-steps 20]
@@ -587,7 +587,6 @@ def skill_task(args, out: Path, progress) -> dict:
     import shutil
 
     from opsd.config import load_config
-    from opsd.trainer.checkpoint import list_checkpoints
     from opsd.trainer.summary import read_records
 
     overrides = list(args.skill_overrides) + ([f"train.max_steps={args.skill_steps}"] if args.skill_steps else [])
@@ -634,14 +633,13 @@ def skill_task(args, out: Path, progress) -> dict:
         for seed in seeds:
             run_dir = out / name / f"seed{seed}"
             shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time (the recipe would resume a finished one)
+            # checkpoint.save_final=false: the report needs only the records (a checkpoint is ~1 GB)
             run_overrides = [*overrides, *SKILL_CONTROLS[name], f"train.seed={seed}", f"logging.output_dir={run_dir}",
-                             "logging.progress_bar=false"]
+                             "logging.progress_bar=false", "checkpoint.save_final=false"]
             print(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}",
                   file=sys.stderr, flush=True)
             wall, cpu = run_child(["-m", "opsd.train", "--config", SKILL_CONFIG, *run_overrides], out / f"{name}_seed{seed}.log")
             records = read_records(run_dir / "metrics.jsonl")
-            for checkpoint in list_checkpoints(run_dir):  # ~1 GB each; the report needs only the records
-                shutil.rmtree(checkpoint.path)
             evals = skill_points(records)
             done.append({"seed": seed, "overrides": SKILL_CONTROLS[name], "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"],
                          "eval": evals, "completion_tokens": evals[-1]["completion_tokens"], "wall_s": wall, "cpu_s": cpu,

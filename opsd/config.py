@@ -761,8 +761,11 @@ class LoggingConfig:
 @dataclass(config=_STRICT)
 class CheckpointConfig:
     save_every: Annotated[int, Field(ge=0)] = 0
-    """Write `<output_dir>/checkpoint-{step}` every this many optimizer steps; 0 = only at the end.
-    A checkpoint is always written at `train.max_steps`."""
+    """Write `<output_dir>/checkpoint-{step}` every this many optimizer steps; 0 = only at the end
+    (`save_final`)."""
+    save_final: bool = True
+    """Write a checkpoint at `train.max_steps`. False suits sweeps and benchmarks that keep only their
+    metrics: the finished run's weights are not kept (stop signals still save, per `save_on_signal`)."""
     save_total_limit: Annotated[int, Field(gt=0)] | None = None
     """Keep at most this many checkpoints, deleting the oldest; the newest and the best are never
     deleted (so one more can remain when they differ). None = keep all."""

@@ -365,7 +365,7 @@ def finish_step(run: Run, step: int, record: dict, rollouts: tuple | None = None
     evaluation = run.evaluator.run_if_due(step, run.engine, run.ranks, run.student) if run.evaluator else {}
     record = {**record, **run.stream.metrics(), **evaluation}
     run.logger.log(step, record)
-    run.checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end
+    run.checkpoints.step_end(step, record)  # saves every checkpoint.save_every steps and at the end (save_final)
     run.last_step, run.last_record = step, record
 
 

@@ -200,11 +200,13 @@ class CheckpointManager:
             set_rng_state(state)
 
     def step_end(self, step: int, record: dict) -> None:
-        """Count the step; save (and rotate) every `save_every` steps and at `train.max_steps`."""
+        """Count the step; save (and rotate) every `save_every` steps and at `train.max_steps`
+        (unless `save_final` is off)."""
         self.counters["completion_tokens"] += int(record.get("completion_tokens", 0))
         self.counters["skipped_steps"] += int(record.get("skipped_step", 0))
         every = self.ckpt.save_every
-        if (every and step % every == 0) or step == self.cfg.train.max_steps:
+        final = step == self.cfg.train.max_steps and self.ckpt.save_final
+        if (every and step % every == 0) or final:
             self.save(step, record)
 
     def _update_best(self, step: int, record: dict) -> None:

@@ -313,3 +313,21 @@ def test_continued_run_restores_data_position_counters_and_rng(tmp_path, tiny_te
     assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
     assert fresh.stream.state_dict() == parts.stream.state_dict()
     assert resumed.counters == {"completion_tokens": 12, "skipped_steps": 0}
+
+
+@pytest.mark.parametrize("save_every, save_final, saved_steps", [
+    (0, True, [4]),  # only at the end
+    (2, True, [2, 4]),
+    (0, False, []),  # a sweep keeping only its metrics
+    (3, False, [3]),  # the periodic saves stay
+])
+def test_saves_every_n_steps_and_at_the_end_unless_save_final_is_off(tmp_path, save_every, save_final, saved_steps):
+    cfg = config_from_dict({"model": {"path": "m"}, "data": {"path": "d"}, "train": {"max_steps": 4},
+                            "logging": {"output_dir": str(tmp_path)},
+                            "checkpoint": {"save_every": save_every, "save_final": save_final}})
+    manager = CheckpointManager(cfg, tmp_path)
+    saves = []
+    manager.save = lambda step, record: saves.append(step)
+    for step in range(1, 5):
+        manager.step_end(step, {"completion_tokens": 1})
+    assert saves == saved_steps and manager.counters["completion_tokens"] == 4
