@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from opsd.config import Config, ConfigError, config_to_dict, load_config
+from opsd.config import CheckpointConfig, Config, ConfigError, config_to_dict, load_config
 
 
 # The command line comes first: as a script, a config mistake is named before torch, transformers
@@ -516,13 +516,21 @@ def describe_plan(cfg: Config) -> str:
         f"{f', answer pattern {cfg.eval.answer_pattern}' if cfg.eval.every else ''}",
         *([f"  shows: {describe_evidence(cfg)}"] if cfg.eval.every else []),
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
-        f"  checkpoints every {cfg.checkpoint.save_every or t.max_steps} steps"
+        f"  {describe_saves(cfg.checkpoint, t.max_steps)}"
         f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
         f"{f', resume from {cfg.checkpoint.resume_from}' if cfg.checkpoint.resume_from else ''}",
         f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
         f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
         *([f"  see also: {cfg.logging.see_also}"] if cfg.logging.see_also else []),
     ])
+
+
+def describe_saves(c: CheckpointConfig, max_steps: int) -> str:
+    """When checkpoints are written (the plan's line)."""
+    if c.save_final:
+        return f"checkpoints every {c.save_every or max_steps} steps"
+    periodic = f"checkpoints every {c.save_every} steps, none at the end" if c.save_every else "no checkpoints"
+    return f"{periodic} (checkpoint.save_final: false{'; a stop signal saves' if c.save_on_signal else ''})"
 
 
 def describe_evidence(cfg: Config) -> str:

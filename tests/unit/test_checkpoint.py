@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from opsd.config import ConfigError, LoggingConfig, OptimConfig, TeacherConfig, config_from_dict
+from opsd.config import ConfigError, LoggingConfig, OptimConfig, TeacherConfig, config_from_dict, load_config
 from opsd.teacher import make_teacher
 from opsd.trainer import checkpoint as ckpt
 from opsd.trainer.checkpoint import (
@@ -331,3 +331,19 @@ def test_saves_every_n_steps_and_at_the_end_unless_save_final_is_off(tmp_path, s
     for step in range(1, 5):
         manager.step_end(step, {"completion_tokens": 1})
     assert saves == saved_steps and manager.counters["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["checkpoint.save_every=10"], "checkpoints every 10 steps"),
+    (["checkpoint.save_every=0"], "checkpoints every 20 steps"),  # the end: train.max_steps
+    (["checkpoint.save_every=10", "checkpoint.save_final=false"],
+     "checkpoints every 10 steps, none at the end (checkpoint.save_final: false; a stop signal saves)"),
+    (["checkpoint.save_every=0", "checkpoint.save_final=false", "checkpoint.save_on_signal=false"],
+     "no checkpoints (checkpoint.save_final: false)"),
+])
+def test_the_plan_says_when_checkpoints_are_written(overrides, line):
+    from opsd.train import describe_plan
+
+    cfg = load_config("configs/smoke.yaml", ["train.max_steps=20", "checkpoint.save_total_limit=null",
+                                             "checkpoint.resume_from=null", *overrides])
+    assert f"  {line}" in describe_plan(cfg).splitlines()
