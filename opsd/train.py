@@ -516,9 +516,7 @@ def describe_plan(cfg: Config) -> str:
         f"{f', answer pattern {cfg.eval.answer_pattern}' if cfg.eval.every else ''}",
         *([f"  shows: {describe_evidence(cfg)}"] if cfg.eval.every else []),
         f"  output {cfg.logging.output_dir} (wandb {cfg.logging.wandb.mode})",
-        f"  {describe_saves(cfg.checkpoint, t.max_steps)}"
-        f"{f', keep {cfg.checkpoint.save_total_limit}' if cfg.checkpoint.save_total_limit else ''}"
-        f"{f', resume from {cfg.checkpoint.resume_from}' if cfg.checkpoint.resume_from else ''}",
+        f"  {describe_saves(cfg.checkpoint, t.max_steps)}",
         f"  under torchrun: these prompts per rank; FSDP2 params {cfg.distributed.param_dtype}, "
         f"shards of {cfg.distributed.shard_size or 'all'} ranks, {r.tensor_parallel_size} rank(s) per vLLM engine",
         *([f"  see also: {cfg.logging.see_also}"] if cfg.logging.see_also else []),
@@ -526,11 +524,19 @@ def describe_plan(cfg: Config) -> str:
 
 
 def describe_saves(c: CheckpointConfig, max_steps: int) -> str:
-    """When checkpoints are written (the plan's line)."""
-    if c.save_final:
-        return f"checkpoints every {c.save_every or max_steps} steps"
-    periodic = f"checkpoints every {c.save_every} steps, none at the end" if c.save_every else "no checkpoints"
-    return f"{periodic} (checkpoint.save_final: false{'; a stop signal saves' if c.save_on_signal else ''})"
+    """When checkpoints are written, how many are kept, what is resumed (the plan's line)."""
+    if c.save_final or c.save_every:
+        when = f"checkpoints every {c.save_every or max_steps} steps"
+        if not c.save_final:
+            when += f", none at the end ({_no_final_save(c)})"
+        when += f", keep {c.save_total_limit}" if c.save_total_limit else ""
+    else:
+        when = f"no checkpoints ({_no_final_save(c)})"
+    return when + (f", resume from {c.resume_from}" if c.resume_from else "")
+
+
+def _no_final_save(c: CheckpointConfig) -> str:
+    return f"checkpoint.save_final: false{'; a stop signal saves' if c.save_on_signal else ''}"
 
 
 def describe_evidence(cfg: Config) -> str:

@@ -340,10 +340,14 @@ def test_saves_every_n_steps_and_at_the_end_unless_save_final_is_off(tmp_path, s
      "checkpoints every 10 steps, none at the end (checkpoint.save_final: false; a stop signal saves)"),
     (["checkpoint.save_every=0", "checkpoint.save_final=false", "checkpoint.save_on_signal=false"],
      "no checkpoints (checkpoint.save_final: false)"),
+    (["checkpoint.save_every=10", "checkpoint.save_total_limit=2", "checkpoint.resume_from=auto"],
+     "checkpoints every 10 steps, keep 2, resume from auto"),
+    (["checkpoint.save_final=false", "checkpoint.save_total_limit=2", "checkpoint.resume_from=auto"],
+     "no checkpoints (checkpoint.save_final: false; a stop signal saves), resume from auto"),  # nothing to keep
 ])
 def test_the_plan_says_when_checkpoints_are_written(overrides, line):
     from opsd.train import describe_plan
 
-    cfg = load_config("configs/smoke.yaml", ["train.max_steps=20", "checkpoint.save_total_limit=null",
+    cfg = load_config("configs/smoke.yaml", ["train.max_steps=20", "checkpoint.save_every=0", "checkpoint.save_total_limit=null",
                                              "checkpoint.resume_from=null", *overrides])
     assert f"  {line}" in describe_plan(cfg).splitlines()
