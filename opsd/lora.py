@@ -8,6 +8,9 @@ is switched in for the teacher's forward; `teacher.mode=base` switches the adapt
 
 An adapter travels (checkpoints, the engine, export) in the PEFT directory format:
 `adapter_config.json` + `adapter_model.safetensors` with keys `base_model.model.<layer>.lora_A.weight`.
+
+`peft` is imported by the functions that need it, so a run without LoRA never loads it (0.6 s of
+every process's start: each torchrun rank, each CLI).
 """
 
 from __future__ import annotations
@@ -16,16 +19,16 @@ import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import get_peft_model
-from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
 from opsd.config import LORA_RANKS_VLLM, ConfigError, LoraConfig
 from opsd.modeling import decoder_prefix
+
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
 
 STUDENT_ADAPTER, EMA_ADAPTER = "default", "ema"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -35,6 +38,13 @@ PEFT_PREFIX = "base_model.model."
 
 def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Name -> `peft` LoRA layer of every adapted module of `model`."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
 def target_pattern(model: torch.nn.Module, cfg: LoraConfig) -> str:
@@ -56,6 +66,9 @@ def add_lora(model: torch.nn.Module, cfg: LoraConfig, *, ema: bool = False) -> t
     if not any(re.fullmatch(pattern, name) for name, _ in model.named_modules()):
         raise ConfigError(f"model.lora.target_modules: no layer of the model is named {cfg.target_modules} "
                          f"(e.g. {[n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][:3]})")
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     peft_config = PeftLoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern,
         base_model_name_or_path=_base_model_path(model),
@@ -107,7 +120,7 @@ def active_adapter(model: torch.nn.Module, adapter: str | None):
     Sets peft's layer flags directly: `set_adapter`/`enable_adapters` would also flip `requires_grad`
     of the student's adapter, which the optimizer and FSDP hold on to.
     """
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    layers = list(lora_layers(model).values())
     saved = [(m._active_adapter, m._disable_adapters) for m in layers]
     for m in layers:
         if adapter is None:
@@ -169,7 +182,7 @@ def merged_tensors(model: torch.nn.Module, adapter: str = STUDENT_ADAPTER,
     """(Hugging Face name, full tensor) of every base weight not named in `exclude`, `W + scale * B @ A`
     for adapted layers: the model as plain transformers would hold it, the adapter merged (gathered
     when sharded)."""
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    layers = lora_layers(model)
     for name, param in model.named_parameters():
         if ".lora_" in name or name.replace(".base_layer.", ".") in exclude:
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -78,6 +79,12 @@ class VLLMEngine:
         """The engine's weights are `dtype`: the weight sync casts (and gathers) in it."""
         self.frozen_vision = options.frozen_vision
         self.weight_updates = 0
+        # vLLM's start runs full garbage collections (its memory profiling) and ends by freezing the
+        # heap (`freeze_gc_heap`; its shutdown unfreezes it). Frozen first, those collections skip the
+        # objects this process already holds (torch, transformers, the trainer's model): the tiny VLM's
+        # engine started in 2.2 s instead of 4.0 s.
+        gc.collect()
+        gc.freeze()
         self.llm = LLM(**engine_args(options), **engine_kwargs(tensor_parallel_size=options.tensor_parallel_size))
         self.tokenizer = self.llm.get_tokenizer()
         self._lora_request = None  # the adapter every request names, once one was received
