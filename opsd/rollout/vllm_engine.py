@@ -82,7 +82,7 @@ class VLLMEngine:
         # vLLM's start runs full garbage collections (its memory profiling) and ends by freezing the
         # heap (`freeze_gc_heap`; its shutdown unfreezes it). Frozen first, those collections skip the
         # objects this process already holds (torch, transformers, the trainer's model): the tiny VLM's
-        # engine started in 2.2 s instead of 4.0 s.
+        # engine starts in about 3.2 s instead of 4.0, this collection included (bench/engine_start.py).
         gc.collect()
         gc.freeze()
         self.llm = LLM(**engine_args(options), **engine_kwargs(tensor_parallel_size=options.tensor_parallel_size))
