@@ -35,6 +35,7 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
                  completion token; the tokens each run needed to reach a stated accuracy; opsd beside
                  grpo at equal tokens and at equal steps. Its acceptance: the opsd mean +15 points,
                  the controls within 5. The runs write no checkpoint (`checkpoint.save_final=false`).
+                 `--skill-jobs` runs at once (2 by default), the cores shared, one thread each on 2 cores.
 
     .venv/bin/python bench/learning.py [--tasks text_facts visual skill] [--runs opsd no_privileged noise sft model_teacher]
         [--visual-runs opsd noise no_privileged sft] [--visual-opsd-steps 20]
@@ -57,7 +58,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -101,19 +101,19 @@ COLOURS = {"opsd": "tab:blue", "no_privileged": "tab:gray", "noise": "tab:orange
            MODEL_TEACHER: "tab:purple"}
 
 
-def child_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def run_child(args: list[str], log: Path) -> tuple[float, float]:
-    """Run `python args...` from the repository root, output to `log`; (wall s, CPU s)."""
-    cpu, start = child_cpu_seconds(), time.perf_counter()
+def run_child(args: list[str], log: Path, threads: int | None = None) -> tuple[float, float]:
+    """Run `python args...` from the repository root, output to `log`, with `threads` CPU threads
+    (None: the recipe's default, every core); (wall s, CPU s of the child and its descendants)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    start = time.perf_counter()
     with log.open("w") as out:
-        done = subprocess.run([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"`python {' '.join(args)}` failed ({done.returncode}); see {log}:\n{log.read_text()[-3000:]}")
-    return time.perf_counter() - start, child_cpu_seconds() - cpu
+        child = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+        # wait4, not RUSAGE_CHILDREN: children that run at once each get their own CPU time
+        _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise SystemExit(f"`python {' '.join(args)}` failed ({child.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - start, usage.ru_utime + usage.ru_stime
 
 
 def reusable_records(run_dir: Path, max_steps: int) -> list[dict] | None:
@@ -585,8 +585,10 @@ def skill_task(args, out: Path, progress) -> dict:
     """Handwritten digits on the seeing SmolLM2 taught printed ones: its model built first (timed),
     then every run of `args.skill_runs` in `out` (opsd and grpo once per seed of `args.skill_seeds`)."""
     import shutil
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from opsd.config import load_config
+    from opsd.data.dataset import prepare
     from opsd.trainer.summary import read_records
 
     overrides = list(args.skill_overrides) + ([f"train.max_steps={args.skill_steps}"] if args.skill_steps else [])
@@ -627,28 +629,44 @@ def skill_task(args, out: Path, progress) -> dict:
         plot_skill(task, out / "learning_curve.png")
         progress(task)
 
-    for name in args.skill_runs:
-        seeds = task["seeds"] if name in SKILL_SEEDED else task["seeds"][:1]
-        done = []
-        for seed in seeds:
-            run_dir = out / name / f"seed{seed}"
-            shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time (the recipe would resume a finished one)
-            # checkpoint.save_final=false: the report needs only the records (a checkpoint is ~1 GB)
-            run_overrides = [*overrides, *SKILL_CONTROLS[name], f"train.seed={seed}", f"logging.output_dir={run_dir}",
-                             "logging.progress_bar=false", "checkpoint.save_final=false"]
-            print(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}",
+    def seeds_of(name: str) -> list[int]:
+        return task["seeds"] if name in SKILL_SEEDED else task["seeds"][:1]
+
+    def run_seed(name: str, seed: int) -> dict:
+        run_dir = out / name / f"seed{seed}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time (the recipe would resume a finished one)
+        # checkpoint.save_final=false: the report needs only the records (a checkpoint is ~1 GB)
+        run_overrides = [*overrides, *SKILL_CONTROLS[name], f"train.seed={seed}", f"logging.output_dir={run_dir}",
+                         "logging.progress_bar=false", "checkpoint.save_final=false"]
+        print(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}",
+              file=sys.stderr, flush=True)
+        wall, cpu = run_child(["-m", "opsd.train", "--config", SKILL_CONFIG, *run_overrides], out / f"{name}_seed{seed}.log",
+                              threads=task["jobs"]["threads_per_run"] if args.skill_jobs > 1 else None)
+        records = read_records(run_dir / "metrics.jsonl")
+        evals = skill_points(records)
+        return {"seed": seed, "overrides": SKILL_CONTROLS[name], "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"],
+                "eval": evals, "completion_tokens": evals[-1]["completion_tokens"], "wall_s": wall, "cpu_s": cpu,
+                "reward_mean_first_last": [next((r.get("reward/mean") for r in records if "reward/mean" in r), None),
+                                           next((r.get("reward/mean") for r in reversed(records) if "reward/mean" in r), None)]}
+
+    # Runs at once share the cores: one thread each on 2 cores (measured: docs/learning.md).
+    task["jobs"] = {"at_once": args.skill_jobs, "threads_per_run": max(1, (os.cpu_count() or 1) // args.skill_jobs)}
+    prepare(cfg.data.datasets[0])  # here, not by the first run: no run may read a split another is writing
+    done: dict[tuple[str, int], dict] = {}
+    pool = ThreadPoolExecutor(args.skill_jobs)
+    try:
+        futures = {pool.submit(run_seed, name, seed): (name, seed) for name in args.skill_runs for seed in seeds_of(name)}
+        for future in as_completed(futures):
+            name, seed = futures[future]
+            done[name, seed] = future.result()
+            accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in done[name, seed]["eval"])
+            print(f"  {name} seed {seed}: held-out accuracy by step {accs} ({done[name, seed]['wall_s']:.0f} s)",
                   file=sys.stderr, flush=True)
-            wall, cpu = run_child(["-m", "opsd.train", "--config", SKILL_CONFIG, *run_overrides], out / f"{name}_seed{seed}.log")
-            records = read_records(run_dir / "metrics.jsonl")
-            evals = skill_points(records)
-            done.append({"seed": seed, "overrides": SKILL_CONTROLS[name], "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"],
-                         "eval": evals, "completion_tokens": evals[-1]["completion_tokens"], "wall_s": wall, "cpu_s": cpu,
-                         "reward_mean_first_last": [next((r.get("reward/mean") for r in records if "reward/mean" in r), None),
-                                                    next((r.get("reward/mean") for r in reversed(records) if "reward/mean" in r), None)]})
-            accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in evals)
-            print(f"  {name} seed {seed}: held-out accuracy by step {accs} ({wall:.0f} s)", file=sys.stderr, flush=True)
-            task["runs"][name] = skill_run_summary(done)
+            task["runs"] = {run: skill_run_summary([done[run, s] for s in seeds_of(run) if (run, s) in done])
+                            for run in args.skill_runs if any((run, s) in done for s in seeds_of(run))}
             write()
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a failed run, start no other
     write()
     return task
 
@@ -684,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skill-runs", nargs="+", choices=list(SKILL_CONTROLS), default=list(SKILL_CONTROLS),
                         help="skill: the runs")
     parser.add_argument("--skill-seeds", type=int, default=3, help="skill: seeds of the opsd and grpo runs (the others: 1)")
+    parser.add_argument("--skill-jobs", type=int, default=2,
+                        help="skill: runs at once, the cores shared between them (1: one at a time, on every core)")
     parser.add_argument("--skill-steps", type=int, default=0, help="skill: steps of every run (0 = the config's)")
     parser.add_argument("--skill-overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="skill: dotted.key=value overrides for every run of the skill task")

@@ -15,11 +15,13 @@ import bisect
 import contextlib
 import glob
 import itertools
+import shutil
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from opsd.config import SCHEMA_OF_SYNTHETIC, Config, DataConfig, DatasetConfig
+from opsd.config import SCHEMA_OF_SYNTHETIC, Config, DataConfig, DatasetConfig, SyntheticDataConfig
 from opsd.data.errors import BadSample, BadSampleError, DataConfigError
 from opsd.data.sample import Sample
 from opsd.data.schemas import ColumnPlan, plan_columns
@@ -88,6 +90,21 @@ def prepare(dataset: DatasetConfig) -> None:
     path, s = Path(dataset.path), dataset.synthetic
     if s is None or (path.is_dir() and any(path.iterdir())):
         return
+    # Written beside `path`, then renamed into place: a run started at the same time (two runs of a
+    # benchmark) finds the whole dataset or none of it, never a split half written.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        _write_synthetic(s, staging)
+        with contextlib.suppress(OSError):  # another run got there first: keep its copy
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+            staging.rename(path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_synthetic(s: SyntheticDataConfig, path: Path) -> None:
     if s.kind == "grid-paths":
         from opsd.data.synthetic import write_dataset
 

@@ -1,6 +1,8 @@
 """bench/learning.py's skill task report from metrics records: per-seed gains beside the accuracies,
 mean and min-max, tokens to reach the stated accuracy, opsd beside grpo at equal tokens and at equal steps, acceptance."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.helpers.bench import load_bench
@@ -61,3 +63,50 @@ def test_the_skill_report_holds_seeds_spreads_tokens_to_target_and_the_opsd_grpo
     task = {"title": "t", "eval_items": 100, "runs": runs, "target_accuracy": 0.2}
     learning.plot_skill(task, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_skill_runs_run_two_at_once_one_thread_each_and_report_in_the_order_asked(learning, tmp_path, monkeypatch):
+    """`--skill-jobs 2`: two children at a time, each told to use one of the two cores; every run and
+    seed reported, in `--skill-runs` order whatever order they finished in; the data written first."""
+    import argparse
+    import json
+    import threading
+    import time
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # a built model: the task builds none
+    running, most, lock = set(), [0], threading.Lock()
+    asked_threads = []
+
+    def fake_child(args, log, threads=None):
+        out = next(Path(a.split("=", 1)[1]) for a in args if a.startswith("logging.output_dir="))
+        assert (tmp_path / "digits" / "train.parquet").exists()
+        with lock:
+            running.add(out)
+            most[0] = max(most[0], len(running))
+            asked_threads.append(threads)
+        time.sleep(0.3 if "opsd" in out.parts else 0.05)  # grpo finishes before opsd
+        out.mkdir(parents=True)
+        gain = {"opsd": 0.2, "grpo": 0.1}[out.parts[-2]]
+        rows = records({0: 0.1, 2: 0.1 + gain}, 10)
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with lock:
+            running.discard(out)
+        return 1.0, 2.0
+
+    monkeypatch.setattr(learning, "run_child", fake_child)
+    monkeypatch.setattr(learning.os, "cpu_count", lambda: 2)
+    args = argparse.Namespace(skill_runs=["opsd", "grpo"], skill_seeds=2, skill_steps=2, skill_jobs=2,
+                              skill_overrides=[f"model.path={model}", f"data.datasets.0.path={tmp_path / 'digits'}",
+                                               "data.datasets.0.synthetic.n_train=4", "data.datasets.0.synthetic.n_eval=2",
+                                               "eval.num_samples=2"])
+    monkeypatch.setattr(learning, "plot_skill", lambda task, path: None)
+    (tmp_path / "skill").mkdir()
+    task = learning.skill_task(args, tmp_path / "skill", lambda section: None)
+    assert most[0] == 2 and asked_threads == [1, 1, 1, 1]
+    assert task["jobs"] == {"at_once": 2, "threads_per_run": 1}
+    assert list(task["runs"]) == ["opsd", "grpo"]
+    assert [s["seed"] for s in task["runs"]["opsd"]["seeds"]] == [0, 1]
+    assert task["runs"]["opsd"]["student_gain"]["mean"] == pytest.approx(0.2)
+    assert task["runs"]["grpo"]["student_gain"]["mean"] == pytest.approx(0.1)

@@ -121,3 +121,33 @@ def test_parquet_round_trip(tmp_path):
     assert row["id"] == train[0].id and row["answer"] == train[0].answer
     assert np.array_equal(pixels(row["images"][0].convert("RGB")), pixels(train[0].images[0]))
     assert len(row["privileged_images"]) == len(train[0].privileged_images)
+
+
+def test_prepare_writes_the_dataset_whole_and_keeps_a_copy_another_run_wrote_first(tmp_path, monkeypatch):
+    """`prepare` renames a finished staging directory into place: nothing half written is ever at
+    `path`, and a run that loses the race to another keeps the winner's files and leaves no staging."""
+    from opsd.config import DatasetConfig, SyntheticDataConfig
+    from opsd.data import dataset as dataset_module
+
+    path = tmp_path / "grid"
+    config = DatasetConfig(path=str(path), schema="project", eval_split="eval",
+                           synthetic=SyntheticDataConfig(n_train=3, n_eval=2, seed=5))
+    dataset_module.prepare(config)
+    assert sorted(p.name for p in path.iterdir()) == ["eval.parquet", "train.parquet"]
+    assert [p.name for p in tmp_path.iterdir()] == ["grid"]
+    assert len(load_samples(path / "train.parquet")) == 3
+
+    other = tmp_path / "raced"
+    config = DatasetConfig(path=str(other), schema="project", eval_split="eval",
+                           synthetic=SyntheticDataConfig(n_train=3, n_eval=2, seed=5))
+    write = dataset_module._write_synthetic
+
+    def another_run_finishes_first(s, staging):
+        assert not other.exists()  # the split being written is not where runs read
+        write(s, staging)
+        write_dataset(other, n_train=1, n_eval=1, seed=9)
+
+    monkeypatch.setattr(dataset_module, "_write_synthetic", another_run_finishes_first)
+    dataset_module.prepare(config)
+    assert len(load_samples(other / "train.parquet")) == 1  # the first run's copy, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid", "raced"]
