@@ -56,6 +56,7 @@ every run of the text task (e.g. train.max_steps=2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -651,7 +652,9 @@ def skill_task(args, out: Path, progress) -> dict:
 
     # Runs at once share the cores: one thread each on 2 cores (measured: docs/learning.md).
     task["jobs"] = {"at_once": args.skill_jobs, "threads_per_run": max(1, (os.cpu_count() or 1) // args.skill_jobs)}
-    prepare(cfg.data.datasets[0])  # here, not by the first run: no run may read a split another is writing
+    # here, not by the first run: no run may read a split another is writing; its path, as the runs' (cwd ROOT) see it
+    dataset_config = cfg.data.datasets[0]
+    prepare(dataclasses.replace(dataset_config, path=str(ROOT / dataset_config.path)))
     done: dict[tuple[str, int], dict] = {}
     pool = ThreadPoolExecutor(args.skill_jobs)
     try:
