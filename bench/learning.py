@@ -62,6 +62,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -633,7 +634,18 @@ def skill_task(args, out: Path, progress) -> dict:
     def seeds_of(name: str) -> list[int]:
         return task["seeds"] if name in SKILL_SEEDED else task["seeds"][:1]
 
-    def run_seed(name: str, seed: int) -> dict:
+    failed = threading.Event()
+
+    def run_seed(name: str, seed: int) -> dict | None:
+        if failed.is_set():  # a worker free after a failed run takes no other
+            return None
+        try:
+            return run_one_seed(name, seed)
+        except BaseException:
+            failed.set()
+            raise
+
+    def run_one_seed(name: str, seed: int) -> dict:
         run_dir = out / name / f"seed{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run every time (the recipe would resume a finished one)
         # checkpoint.save_final=false: the report needs only the records (a checkpoint is ~1 GB)
@@ -669,7 +681,8 @@ def skill_task(args, out: Path, progress) -> dict:
                             for run in args.skill_runs if any((run, s) in done for s in seeds_of(run))}
             write()
     finally:
-        pool.shutdown(cancel_futures=True)  # after a failed run, start no other
+        # after a failed run start no other, and say so now: the run still going ends at exit
+        pool.shutdown(wait=False, cancel_futures=True)
     write()
     return task
 

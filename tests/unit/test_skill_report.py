@@ -110,3 +110,40 @@ def test_the_skill_runs_run_two_at_once_one_thread_each_and_report_in_the_order_
     assert [s["seed"] for s in task["runs"]["opsd"]["seeds"]] == [0, 1]
     assert task["runs"]["opsd"]["student_gain"]["mean"] == pytest.approx(0.2)
     assert task["runs"]["grpo"]["student_gain"]["mean"] == pytest.approx(0.1)
+
+
+def test_a_failed_skill_run_is_reported_at_once_and_no_other_starts(learning, tmp_path, monkeypatch):
+    """With two at once, a run that fails ends the task without waiting for the one still going,
+    and no queued run starts after it."""
+    import argparse
+    import threading
+    import time
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    started, lock = [], threading.Lock()
+
+    def fake_child(args, log, threads=None):
+        out = next(Path(a.split("=", 1)[1]) for a in args if a.startswith("logging.output_dir="))
+        with lock:
+            started.append(out.relative_to(tmp_path / "skill").as_posix())
+        if out.parts[-2:] == ("opsd", "seed0"):
+            time.sleep(0.1)
+            raise SystemExit("`python -m opsd.train ...` failed (2)")
+        time.sleep(1.0)
+        raise AssertionError("a run that outlived the failure is not read")
+
+    monkeypatch.setattr(learning, "run_child", fake_child)
+    monkeypatch.setattr(learning, "plot_skill", lambda task, path: None)
+    args = argparse.Namespace(skill_runs=["opsd", "grpo"], skill_seeds=2, skill_steps=2, skill_jobs=2,
+                              skill_overrides=[f"model.path={model}", f"data.datasets.0.path={tmp_path / 'digits'}",
+                                               "data.datasets.0.synthetic.n_train=4", "data.datasets.0.synthetic.n_eval=2",
+                                               "eval.num_samples=2"])
+    (tmp_path / "skill").mkdir()
+    begun = time.monotonic()
+    with pytest.raises(SystemExit, match="failed"):
+        learning.skill_task(args, tmp_path / "skill", lambda section: None)
+    assert time.monotonic() - begun < 0.9  # not after the other run's 1 s
+    time.sleep(1.3)  # the run still going ends; nothing starts after it
+    assert sorted(started) == ["opsd/seed0", "opsd/seed1"]
