@@ -673,7 +673,9 @@ def skill_task(args, out: Path, progress) -> dict:
         futures = {pool.submit(run_seed, name, seed): (name, seed) for name in args.skill_runs for seed in seeds_of(name)}
         for future in as_completed(futures):
             name, seed = futures[future]
-            done[name, seed] = future.result()
+            if (result := future.result()) is None:  # not run: another failed (its error comes next)
+                continue
+            done[name, seed] = result
             accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in done[name, seed]["eval"])
             print(f"  {name} seed {seed}: held-out accuracy by step {accs} ({done[name, seed]['wall_s']:.0f} s)",
                   file=sys.stderr, flush=True)
@@ -736,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="after the tasks, bench/step_profile.py with this many steps (0 = skip): the 'speed' key")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every text_facts run")
     args = parser.parse_args(argv)
+    if args.skill_jobs < 1:
+        parser.error(f"--skill-jobs: at least 1, not {args.skill_jobs}")
     sys.path.insert(0, str(ROOT))
     from opsd.config import load_config
 
