@@ -112,9 +112,9 @@ def run_child(args: list[str], log: Path, threads: int | None = None) -> tuple[f
         child = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         # wait4, not RUSAGE_CHILDREN: children that run at once each get their own CPU time
         _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise SystemExit(f"`python {' '.join(args)}` failed ({child.returncode}); see {log}:\n{log.read_text()[-3000:]}")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"`python {' '.join(args)}` failed ({code}); see {log}:\n{log.read_text()[-3000:]}")
     return time.perf_counter() - start, usage.ru_utime + usage.ru_stime
 
 
@@ -676,8 +676,8 @@ def skill_task(args, out: Path, progress) -> dict:
             if (result := future.result()) is None:  # not run: another failed (its error comes next)
                 continue
             done[name, seed] = result
-            accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in done[name, seed]["eval"])
-            print(f"  {name} seed {seed}: held-out accuracy by step {accs} ({done[name, seed]['wall_s']:.0f} s)",
+            accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in result["eval"])
+            print(f"  {name} seed {seed}: held-out accuracy by step {accs} ({result['wall_s']:.0f} s)",
                   file=sys.stderr, flush=True)
             task["runs"] = {run: skill_run_summary([done[run, s] for s in seeds_of(run) if (run, s) in done])
                             for run in args.skill_runs if any((run, s) in done for s in seeds_of(run))}
