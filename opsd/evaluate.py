@@ -23,6 +23,7 @@ from pathlib import Path
 
 from opsd.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
 from opsd.data.errors import BadSampleError
+from opsd.device import DeviceError
 from opsd.trainer.checkpoint import CheckpointError, read_trainer_state, resolve_checkpoint
 from opsd.trainer.console import third_party_output
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         verbose = args.verbose or cfg.logging.verbose
         with third_party_output(args.out, verbose=verbose, log_name=EVALUATE_LOG) as log_file:
             metrics, records = run_evaluation(cfg, args.out, step, log_file=None if verbose else log_file)
-    except (ConfigError, FileNotFoundError, CheckpointError, BadSampleError) as err:
+    except (ConfigError, FileNotFoundError, CheckpointError, BadSampleError, DeviceError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{cfg.model.path} (step {step}): {format_metrics(metrics)}")

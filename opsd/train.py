@@ -69,7 +69,7 @@ from opsd.data.dataset import describe_data, peek_data, train_stream
 from opsd.data.errors import BadSample, BadSampleError
 from opsd.data.sample import Sample
 from opsd.data.stream import SampleStream
-from opsd.device import process_rank, process_world_size
+from opsd.device import DeviceError, process_rank, process_world_size
 from opsd.dumps.record import ROLLOUTS_SUBDIR, RolloutRecorder, recorder_for_step
 from opsd.evaluation import Evaluator
 from opsd.lora import add_lora
@@ -613,10 +613,10 @@ def main(argv: list[str] | None = None, final_line: Callable[[Callable[[], str]]
             return 0 if run_check(cfg) else 1
         train(cfg)
     except (CheckpointError, ConfigError, BadSampleError, UnsupportedModelError, NonFiniteStepsError, OutputDirInUse,
-            RewardError) as err:
+            RewardError, DeviceError) as err:
         # a bad checkpoint, data not fitting the config, a bad row, a model scoring cannot reproduce,
         # a failed save (the disk), a loss that stayed non-finite, an output directory in use, a
-        # reward function that fails
+        # reward function that fails, a device this machine lacks
         print(f"error: {err}", file=sys.stderr)
         return 2
     except EngineLostError as err:  # a dead or frozen rollout server: like a lost rank, after a save

@@ -18,6 +18,7 @@ import dataclasses
 import sys
 
 from opsd.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from opsd.device import DeviceError
 from opsd.trainer.checkpoint import CheckpointError
 from opsd.trainer.console import third_party_output
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run_dump(args) if args.command == "dump" else run_analyze(args)
-    except (ConfigError, FileNotFoundError, CheckpointError) as err:
+    except (ConfigError, FileNotFoundError, CheckpointError, DeviceError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -20,11 +20,15 @@ REPO = Path(__file__).parents[2]
 
 
 def shard(model):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # A CPU mesh: without one, fully_shard meshes the default device, CUDA where there is a GPU (where a
+    # second rank on a one-GPU machine asks for a device that is not there).
+    mesh = init_device_mesh("cpu", (2,))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def worker(model_dir, checkpoint, out_dir):

@@ -33,7 +33,7 @@ def launch(command, output_dir, tiny_vlm_dir, grid_data_dir, *overrides, env=Non
         "--config", str(ROOT / "configs/smoke.yaml"), f"model.path={tiny_vlm_dir}", f"data.path={grid_data_dir}",
         f"logging.output_dir={output_dir}", "logging.progress_bar=false", f"train.max_steps={STEPS}",
         "rollout.max_new_tokens=12", "train.grad_accum_steps=2", "optim.warmup_steps=0",
-        "optim.schedule=constant", "optim.eps=1e-8", *overrides,
+        "optim.schedule=constant", "optim.eps=1e-8", "train.device=cpu", *overrides,  # gloo, also beside a GPU
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
     log = Path(output_dir).with_suffix(".log").open("a")

@@ -38,6 +38,19 @@ def test_the_report_says_what_ran_and_what_was_skipped(tmp_path):
         assert "fsdp_nccl_ema_sync: skipped (no CUDA device)" in proc.stdout
 
 
+def test_the_fsdp_check_trains_an_ema_teacher_on_gloo_with_device_cpu(tmp_path):
+    """The FSDP2 check's own logic on the CPU (gloo for nccl): its EMA teacher moves by exactly the
+    update's formula. Its first GPU run reported an unmoved teacher: it looked at the vision tower's
+    first weight, which the text-only examples never train."""
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--only", "fsdp_nccl_ema_sync", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fsdp = json.loads(out.read_text())["checks"]["fsdp_nccl_ema_sync"]
+    assert fsdp["status"] == "ran" and fsdp["ok"] and fsdp["backend"] == "gloo", fsdp
+    assert fsdp["ema_teacher_moved"] > 1e-4 and fsdp["ema_update_error"] < 1e-6, fsdp
+
+
 @pytest.mark.parametrize("fixture", ["tiny_qwen_vl_dir", "tiny_qwen3_vl_dir"])
 def test_the_shaped_checks_inputs_and_scoring_run_on_the_tiny_qwen_vl_models(request, fixture):
     """What `qwen25vl_7b_shaped` / `qwen3vl_8b_shaped` run on a GPU, on the tiny models of the same
@@ -54,9 +67,21 @@ def test_the_shaped_checks_inputs_and_scoring_run_on_the_tiny_qwen_vl_models(req
     assert result["ok"] and result["all_parameters_have_grads"] and result["tokens"] == 300, result
 
 
+def test_the_recipe_runs_are_configs_the_recipe_accepts(tmp_path):
+    """`recipe_runs` trains on a GPU only; here each run's overrides load (a renamed key fails here first)."""
+    from opsd.config import load_config
+
+    check = gpu_check()
+    for run in check.RECIPE_RUNS:
+        cfg = load_config("configs/smoke.yaml", check._recipe_overrides(run, tmp_path, "cuda"))
+        assert cfg.rollout.engine == "hf" and cfg.train.device == "cuda", run["name"]
+        assert cfg.logging.output_dir == str(tmp_path / run["name"]), run["name"]
+
+
 class Args:
     tokens = 9216
     images = 4
+    device = "cuda"
 
 
 @pytest.mark.gpu

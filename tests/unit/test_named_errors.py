@@ -60,6 +60,26 @@ def test_an_engine_class_without_close_is_named_before_it_is_built(tmp_path, tin
     )
 
 
+@pytest.mark.parametrize("gpus, local_ranks, expected", [
+    (0, "1", "error: train.device is 'cuda' but no CUDA device is available: set train.device=auto or cpu"),
+    (1, "2", "error: train.device is 'cuda' and torchrun started 2 ranks on this machine, which has 1 CUDA device(s) visible: "
+             "one rank per GPU (--nproc-per-node 1), or train.device=cpu"),
+])
+@pytest.mark.parametrize("command", ["train", "check"])
+def test_a_cuda_device_that_is_not_there_is_named(gpus, local_ranks, expected, command, tmp_path, tiny_vlm_dir, grid_data_dir,
+                                                   capfd, monkeypatch):
+    """What a GPU machine with fewer GPUs than ranks (the lent one ran two ranks on one H200), or a
+    machine with none, says: one line, before any rank asks for a device that does not exist."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    check = ["--check"] if command == "check" else []
+    assert opsd.train.main(args(tmp_path, tiny_vlm_dir, grid_data_dir, "train.device=cuda") + check) == 2
+    assert one_error_line(capfd) == expected
+
+
 def test_a_config_mistake_is_named_before_torch_is_imported():
     """`python -m opsd.train` checks the command line first: no torch, transformers or vLLM import
     stands between a typo and its error line."""
@@ -67,8 +87,9 @@ def test_a_config_mistake_is_named_before_torch_is_imported():
     import subprocess
     import sys
 
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))  # carried wheels live there
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "opsd.train", "--config", "configs/smoke.yaml",
-                           "train.max_stpes=3"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                           "train.max_stpes=3"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
     assert done.returncode == 2 and "error: invalid config:\n  train.max_stpes: Unexpected keyword argument" in done.stderr
     imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "opsd" in imported and not imported & {"torch", "transformers", "vllm"}
