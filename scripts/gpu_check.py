@@ -338,7 +338,6 @@ def check_vllm_sleep_sync_parity(args) -> dict:
     }
 
 
-
 # Each run: a name and the overrides of configs/smoke.yaml beside the common ones (`_recipe_overrides`);
 # `resume_to`: run again to this step, resuming from the run's last checkpoint.
 RECIPE_RUNS = [
@@ -383,8 +382,10 @@ def _recipe_run(run: dict, tmp: Path, device: str, timeout_s: float) -> dict:
     if failed:
         return {"ok": False, "returncode": failed.returncode, "seconds": seconds,
                 "output_tail": (failed.stdout + failed.stderr)[-3000:]}
+    from opsd.trainer.summary import read_records
+
     output_dir = tmp / run["name"]
-    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(output_dir / "metrics.jsonl")
     trained = [r for r in records if "loss" in r]
     steps = [r["step"] for r in trained]
     expected = list(range(1, (run.get("resume_to") or 2) + 1))
@@ -418,6 +419,7 @@ def check_recipe_runs(args) -> dict:
                 runs[run["name"]] = {"ok": False, "error": f"timed out after {err.timeout} s"}
             print(f"  recipe {run['name']}: {'ok' if runs[run['name']]['ok'] else 'FAILED'}", flush=True)
     return {"ok": all(r["ok"] for r in runs.values()), "device": args.device, "runs": runs}
+
 
 CHECKS = {
     "environment": check_environment,
