@@ -62,7 +62,9 @@ def test_checkpoint_moves_between_one_and_two_ranks(tmp_path, tiny_text_dir):
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A rank's own error comes first; torchrun's summary (after a native crash, faulthandler's list of
+    # extension modules) fills the end, which alone once hid why a rank aborted in a loaded full run.
+    assert proc.returncode == 0, proc.stderr[:4000] + "\n[...]\n" + proc.stderr[-2000:]
 
     sharded = tmp_path / "sharded" / "checkpoint-5"
     assert read_manifest(sharded)["world_size"] == 2
