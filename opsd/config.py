@@ -221,6 +221,10 @@ class PromptConfig:
     """Teacher prompt only: the privileged images follow the privileged text instead of preceding
     it, so a picture can complete a sentence ("Fact:\nAnn's car is" + a red swatch); the
     reference intro, when set, then sits between the text and the images."""
+    privileged_before_question: bool = False
+    """Teacher prompt only: the privileged part (intro, images, text, answer) stands between the
+    problem images and the question, so the teacher reads the question last (in the digits task a
+    teacher shown noise right after the question answered with the noise's word: docs/learning.md)."""
     privileged: list[Literal["images", "text", "answer"]] = dataclasses.field(
         default_factory=lambda: ["images"]
     )

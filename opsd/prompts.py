@@ -3,7 +3,8 @@
 student: [system] [problem images] [question]
 teacher: [system] [problem images] [question] [reference intro] [privileged images]
          [privileged text] [answer] [transition]
-         (`prompts.images_after_text`: [privileged text] [reference intro] [privileged images])
+         (`prompts.images_after_text`: [privileged text] [reference intro] [privileged images];
+         `prompts.privileged_before_question`: the privileged part before [question])
 
 Both are rendered by the same chat template with the same settings (a different template setting
 would shift the completion), and the sampled completion ids are later appended unchanged to both.
@@ -91,7 +92,6 @@ def teacher_prompt(sample: Sample, processor, cfg: PromptConfig) -> Prompt:
 
 def teacher_parts(sample: Sample, cfg: PromptConfig) -> tuple[list[str | Image.Image], list[Image.Image]]:
     """The teacher's user turn (strings and images in order), and the privileged images in it."""
-    parts: list[str | Image.Image] = [*sample.images, sample.question]
     privileged_images = sample.privileged_images if "images" in cfg.privileged else []
     if cfg.noise != "off":
         privileged_images = [noise_like(img, seed=f"{sample.id}/{i}") for i, img in enumerate(privileged_images)]
@@ -99,11 +99,16 @@ def teacher_parts(sample: Sample, cfg: PromptConfig) -> tuple[list[str | Image.I
     text_parts = [f"{cfg.privileged_text_intro}\n{sample.privileged_text}"] if (
         "text" in cfg.privileged and sample.privileged_text) else []
     if cfg.images_after_text:
-        parts += text_parts + [p for p in image_parts if p != ""]
+        privileged = text_parts + image_parts
     else:
-        parts += image_parts + text_parts
+        privileged = image_parts + text_parts
     if "answer" in cfg.privileged and sample.answer:
-        parts += [f"Reference answer: {sample.answer}"]
+        privileged += [f"Reference answer: {sample.answer}"]
+    privileged = [p for p in privileged if p != ""]  # an empty intro adds no blank line
+    if cfg.privileged_before_question:
+        parts = [*sample.images, *privileged, sample.question]
+    else:
+        parts = [*sample.images, sample.question, *privileged]
     if cfg.transition:
         parts.append(cfg.transition)
     return parts, privileged_images

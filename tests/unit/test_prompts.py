@@ -61,6 +61,31 @@ def test_images_after_text_lets_a_picture_end_the_privileged_sentence(processor,
         PromptConfig().privileged_text_intro)
 
 
+def test_privileged_before_question_puts_the_question_last(processor, sample):
+    cfg = PromptConfig(privileged=["images", "text"], reference_intro="", transition="", privileged_before_question=True)
+    prompt = teacher_prompt(sample, processor, cfg)
+    n = len(sample.images)
+    assert prompt.parts == [*sample.images, *sample.privileged_images,
+                            f"{cfg.privileged_text_intro}\n{sample.privileged_text}", sample.question]
+    assert prompt.images == sample.images + sample.privileged_images  # the privileged images stay the last ones
+    assert prompt.text.index(cfg.privileged_text_intro) < prompt.text.index(sample.question)
+    # Noise still lands on the privileged pictures, not the problem's.
+    noisy = teacher_prompt(sample, processor, PromptConfig(privileged_before_question=True, noise="normal"))
+    assert noisy.noise_last_images == len(sample.privileged_images) and noisy.images[:n] == sample.images
+    # With the intro and transition set, both keep their places around the privileged part and the question.
+    full = teacher_prompt(sample, processor, PromptConfig(privileged_before_question=True))
+    text = full.text
+    assert text.index(PromptConfig().reference_intro) < text.index(sample.question) < text.index(PromptConfig().transition)
+    # The default still asks the question first.
+    assert teacher_prompt(sample, processor, PromptConfig()).parts[n] == sample.question
+
+
+def test_an_empty_reference_intro_adds_no_text_part(processor, sample):
+    prompt = teacher_prompt(sample, processor, PromptConfig(reference_intro="", transition=""))
+    assert "" not in [p for p in prompt.parts if isinstance(p, str)]
+    assert prompt.parts == [*sample.images, sample.question, *sample.privileged_images]
+
+
 def test_pixel_noise_ablation_keeps_shape_and_changes_pixels(processor, sample):
     prompt = teacher_prompt(sample, processor, PromptConfig(noise="pixel"))
     noisy = prompt.images[len(sample.images):]
