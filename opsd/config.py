@@ -359,7 +359,8 @@ class JsdLossConfig:
     top_k: Annotated[int, Field(ge=0)] = 256
     """Restrict to the teacher's top-k tokens, renormalised on both sides; 0 = full vocabulary."""
     token_clip: NonNegative = 0.05
-    """Upper clamp of each divergence term; 0 = off."""
+    """Upper clamp of each divergence term; 0 = off. Meant for `beta` near 0.5: with `beta: 0` the entry
+    clip cuts the pull towards the teacher's tokens and keeps the push off the student's own (docs/training.md)."""
     clip_mode: Literal["entry", "token"] = "entry"
     """`entry`: clamp each vocabulary entry before the sum (reference); `token`: clamp the sum."""
     jsd_weight: NonNegative = 1.0
