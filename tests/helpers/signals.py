@@ -22,7 +22,10 @@ def during(stage: str, step: int, *, to: str = "self", signum: int = signal.SIGT
     def signalling(run, *args, **kwargs):
         if run.last_step + 1 == step and run.ranks.rank == rank:
             signalling.sent_at = time.monotonic()
-            os.kill(os.getppid() if to == "parent" else os.getpid(), signum)
+            if to == "parent":
+                signal_parent_and_wait(signum)
+            else:
+                os.kill(os.getpid(), signum)
         return real(run, *args, **kwargs)
 
     signalling.sent_at = None
@@ -36,3 +39,26 @@ def from_env(value: str | None):
     where, _, to = value.partition(":")
     stage, _, step = where.partition("@")
     return during(stage, int(step), to=to or "self")
+
+
+def signal_parent_and_wait(signum: int, timeout_s: float = 60.0) -> None:
+    """Signal the parent and return once it has forwarded the signal here (this process's own handler
+    ran): on a loaded machine torchrun can take longer to forward it than a tiny model's stage takes."""
+    arrived = []
+    handler = signal.getsignal(signum)
+
+    def noting(number, frame):
+        arrived.append(number)
+        if callable(handler):
+            handler(number, frame)
+
+    signal.signal(signum, noting)
+    try:
+        os.kill(os.getppid(), signum)
+        deadline = time.monotonic() + timeout_s
+        while not arrived and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signum, handler)
+    if arrived and not callable(handler):
+        os.kill(os.getpid(), signum)  # no Python handler: the signal's default action, as without the wait
