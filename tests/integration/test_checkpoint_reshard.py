@@ -45,6 +45,9 @@ def worker(model_dir, checkpoint, out_dir):
         saved = load_file(Path(checkpoint) / "model" / "model.safetensors")
         assert all(torch.equal(full[name], tensor) for name, tensor in saved.items())
     save_checkpoint(Path(out_dir), 5, parts, {"step": 5})
+    # As the recipe's end_run does: no rank tears the group down while the other may still be inside the
+    # save's last collective (CI once saw rank 1 abort in C++, "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
