@@ -651,8 +651,9 @@ def skill_task(args, out: Path, progress) -> dict:
         # checkpoint.save_final=false: the report needs only the records (a checkpoint is ~1 GB)
         run_overrides = [*overrides, *SKILL_CONTROLS[name], f"train.seed={seed}", f"logging.output_dir={run_dir}",
                          "logging.progress_bar=false", "checkpoint.save_final=false"]
-        print(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}",
-              file=sys.stderr, flush=True)
+        # one write, newline included: two runs start at once, and print's two writes interleave
+        sys.stderr.write(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}\n")
+        sys.stderr.flush()
         wall, cpu = run_child(["-m", "opsd.train", "--config", SKILL_CONFIG, *run_overrides], out / f"{name}_seed{seed}.log",
                               threads=task["jobs"]["threads_per_run"] if args.skill_jobs > 1 else None)
         records = read_records(run_dir / "metrics.jsonl")
