@@ -103,6 +103,12 @@ COLOURS = {"opsd": "tab:blue", "no_privileged": "tab:gray", "noise": "tab:orange
            MODEL_TEACHER: "tab:purple"}
 
 
+def say(line: str) -> None:
+    """A line on stderr in one write: print's text and newline are two, which runs started at once interleave."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def run_child(args: list[str], log: Path, threads: int | None = None) -> tuple[float, float]:
     """Run `python args...` from the repository root, output to `log`, with `threads` CPU threads
     (None: the recipe's default, every core); (wall s, CPU s of the child and its descendants)."""
@@ -651,9 +657,7 @@ def skill_task(args, out: Path, progress) -> dict:
         # checkpoint.save_final=false: the report needs only the records (a checkpoint is ~1 GB)
         run_overrides = [*overrides, *SKILL_CONTROLS[name], f"train.seed={seed}", f"logging.output_dir={run_dir}",
                          "logging.progress_bar=false", "checkpoint.save_final=false"]
-        # one write, newline included: two runs start at once, and print's two writes interleave
-        sys.stderr.write(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}\n")
-        sys.stderr.flush()
+        say(f"run {name} seed {seed}: python -m opsd.train --config {SKILL_CONFIG} {' '.join(run_overrides)}")
         wall, cpu = run_child(["-m", "opsd.train", "--config", SKILL_CONFIG, *run_overrides], out / f"{name}_seed{seed}.log",
                               threads=task["jobs"]["threads_per_run"] if args.skill_jobs > 1 else None)
         records = read_records(run_dir / "metrics.jsonl")
@@ -678,8 +682,7 @@ def skill_task(args, out: Path, progress) -> dict:
                 continue
             done[name, seed] = result
             accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in result["eval"])
-            print(f"  {name} seed {seed}: held-out accuracy by step {accs} ({result['wall_s']:.0f} s)",
-                  file=sys.stderr, flush=True)
+            say(f"  {name} seed {seed}: held-out accuracy by step {accs} ({result['wall_s']:.0f} s)")
             task["runs"] = {run: skill_run_summary([done[run, s] for s in seeds_of(run) if (run, s) in done])
                             for run in args.skill_runs if any((run, s) in done for s in seeds_of(run))}
             write()
