@@ -352,7 +352,7 @@ def visual_task(args, out: Path, progress) -> dict:
     model_dir = Path(model.path)
     build = {"wall_s": 0.0, "cpu_s": 0.0, "skipped": (ROOT / model_dir / "config.json").exists() or model.build != "smollm2-vlm"}
     if not build["skipped"]:
-        print(f"building the seeing SmolLM2 into {model_dir} ...", file=sys.stderr, flush=True)
+        say(f"building the seeing SmolLM2 into {model_dir} ...")
         build["wall_s"], build["cpu_s"] = run_child(["-m", "opsd.smollm2_vlm", "--out", str(model_dir)], out / "build.log")
     task = run_task(args, out, progress, title="SmolLM2-135M with a taught vision tower learns facts its teacher only sees as pictures",
                     config=VISUAL_CONFIG, controls=VISUAL_CONTROLS, run_names=args.visual_runs, overrides=args.visual_overrides, opsd_steps=args.visual_opsd_steps,
@@ -415,7 +415,7 @@ def run_task(args, out: Path, progress, *, title: str, config: str, controls: di
                 task["runs"][name] = {**measured, "reused": True}
             else:
                 task["runs"][name] = {"overrides": controls[name], "reused": True, **summarise(kept, None, None)}
-            print(f"  {name}: reused {run_dir} up to step {run_steps}", file=sys.stderr, flush=True)
+            say(f"  {name}: reused {run_dir} up to step {run_steps}")
             continue
         if run_dir.exists():
             import shutil
@@ -423,13 +423,12 @@ def run_task(args, out: Path, progress, *, title: str, config: str, controls: di
             shutil.rmtree(run_dir)  # a fresh run every time (the recipe would resume a finished one)
         run_overrides = [*overrides, *controls[name], f"train.max_steps={run_steps}", f"logging.output_dir={run_dir}",
                      "logging.progress_bar=false"]
-        print(f"run {name}: python -m opsd.train --config {config} {' '.join(run_overrides)}", file=sys.stderr, flush=True)
+        say(f"run {name}: python -m opsd.train --config {config} {' '.join(run_overrides)}")
         wall, cpu = run_child(["-m", "opsd.train", "--config", config, *run_overrides], out / f"{name}.log")
         task["runs"][name] = {"overrides": controls[name], **summarise(read_records(run_dir / "metrics.jsonl"), wall, cpu)}
         evals = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}/{e['teacher_accuracy']}" for e in task["runs"][name]["eval"])
         moved = task["runs"][name]["retention"]["change"]
-        print(f"  {name}: student/teacher accuracy by step {evals}; retention moved {moved} ({wall:.0f} s, {cpu:.0f} CPU s)",
-              file=sys.stderr, flush=True)
+        say(f"  {name}: student/teacher accuracy by step {evals}; retention moved {moved} ({wall:.0f} s, {cpu:.0f} CPU s)")
         write()  # what is done so far is kept
     write()
     return task
@@ -604,7 +603,7 @@ def skill_task(args, out: Path, progress) -> dict:
     model_dir = Path(cfg.model.path)
     build = {"wall_s": 0.0, "cpu_s": 0.0, "skipped": (ROOT / model_dir / "config.json").exists()}
     if not build["skipped"]:
-        print(f"building the seeing SmolLM2 that reads printed digits into {model_dir} ...", file=sys.stderr, flush=True)
+        say(f"building the seeing SmolLM2 that reads printed digits into {model_dir} ...")
         build["wall_s"], build["cpu_s"] = run_child(["-m", "opsd.smollm2_vlm", "--digits", "--out", str(model_dir)],
                                                     out / "build.log")
     dataset = cfg.data.datasets[0].synthetic
@@ -700,7 +699,7 @@ TASKS = {"text_facts": text_facts_task, "visual": visual_task, "skill": skill_ta
 
 def profile_speed(args, out: Path) -> dict:
     """bench/step_profile.py with `--profile-steps` steps: the report's `speed` key."""
-    print(f"profiling {args.profile_steps} steps (bench/step_profile.py) ...", file=sys.stderr, flush=True)
+    say(f"profiling {args.profile_steps} steps (bench/step_profile.py) ...")
     profile = out / "step_profile.json"
     with profile.open("w") as stdout, (out / "step_profile.log").open("w") as stderr:
         done = subprocess.run([sys.executable, "bench/step_profile.py", "--config", args.config, "--steps",
@@ -756,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(cfg.model.path)
     conversion = {"wall_s": 0.0, "cpu_s": 0.0, "skipped": (ROOT / model_dir / "config.json").exists() or (model_dir / "config.json").exists()}
     if cfg.model.build == "smollm2" and not conversion["skipped"]:
-        print(f"converting SmolLM2 into {model_dir} ...", file=sys.stderr, flush=True)
+        say(f"converting SmolLM2 into {model_dir} ...")
         conversion["wall_s"], conversion["cpu_s"] = run_child(
             ["-m", "opsd.convert_smollm2", "--out", str(model_dir)], out / "convert.log"
         )
@@ -792,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         report["speed"] = profile_speed(args, out)
     write()
     pngs = ", ".join(task["png"] for task in report["tasks"].values())
-    print(f"report: {out / 'report.json'}; curves: {pngs}", file=sys.stderr)
+    say(f"report: {out / 'report.json'}; curves: {pngs}")
     print(json.dumps(report))
     return 0
 
