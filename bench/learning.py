@@ -59,6 +59,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -418,8 +419,6 @@ def run_task(args, out: Path, progress, *, title: str, config: str, controls: di
             say(f"  {name}: reused {run_dir} up to step {run_steps}")
             continue
         if run_dir.exists():
-            import shutil
-
             shutil.rmtree(run_dir)  # a fresh run every time (the recipe would resume a finished one)
         run_overrides = [*overrides, *controls[name], f"train.max_steps={run_steps}", f"logging.output_dir={run_dir}",
                      "logging.progress_bar=false"]
@@ -591,7 +590,6 @@ def plot_skill(task: dict, path: Path) -> None:
 def skill_task(args, out: Path, progress) -> dict:
     """Handwritten digits on the seeing SmolLM2 taught printed ones: its model built first (timed),
     then every run of `args.skill_runs` in `out` (opsd and grpo once per seed of `args.skill_seeds`)."""
-    import shutil
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from opsd.config import load_config
