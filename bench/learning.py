@@ -27,7 +27,7 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
 
     skill        configs/learn_digits_smollm2_vlm.yaml: a skill from real data, judged on inputs never
                  trained on. The seeing SmolLM2 with its tower also taught printed digits
-                 (model.build: smollm2-vlm-digits) reads the UCI handwritten digits scikit-learn ships;
+                 (model.build: smollm2-vlm-digits) reads the UCI handwritten digits (scikit-learn's copy);
                  the teacher is also shown the digit printed; evaluation on handwritten digits no run
                  trains on. Runs (`--skill-runs`): opsd and grpo (`--skill-seeds`, 3 by default: mean
                  and min-max), opsd_reward (opsd + the answer-checking GRPO term), sft (cross-entropy on

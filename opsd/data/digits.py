@@ -1,8 +1,13 @@
 """Handwritten digits: a skill learnt from real data, judged on images never trained on (project schema).
 
-The images are the UCI handwritten digits that scikit-learn ships inside its wheel
-(`sklearn.datasets.load_digits`: 1,797 scans of 8x8 pixels, values 0-16, written by 43 people; no
-download). Each is shown to the student as a 64-pixel picture (dark strokes on white, upscaled) with
+The images are the UCI handwritten digits (E. Alpaydin and C. Kaynak, "Optical Recognition of
+Handwritten Digits", UCI Machine Learning Repository, 1998, CC BY 4.0: 1,797 scans of 8x8 pixels,
+values 0-16, written by 43 people), in `uci_digits.csv.gz` beside this module: scikit-learn's copy of
+the file behind `sklearn.datasets.load_digits`, byte for byte. It lives here rather than behind a
+scikit-learn requirement because transformers imports `sklearn.metrics` (and scipy with it) whenever
+scikit-learn is installed, about 2.3 s of CPU in every process that imports it.
+
+Each scan is shown to the student as a 64-pixel picture (dark strokes on white, upscaled) with
 "Which digit is this?"; the answer is the digit's English word ("seven", one SmolLM2 token after a
 space). The teacher's prompt adds a printed rendering of the same digit (Pillow's built-in font,
 dark grey on white) as its privileged picture, which the seeing SmolLM2's tower is taught to read
@@ -21,6 +26,7 @@ from __future__ import annotations
 import pathlib
 import random
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from opsd.answers import NUMBER_WORDS
@@ -31,14 +37,14 @@ INK = (40, 40, 40)
 PRINTED_FONT_SIZE = 44
 
 
-def load_digits():
-    """(images [1797, 8, 8] of 0-16, labels [1797]) from scikit-learn's bundled copy."""
-    try:
-        from sklearn.datasets import load_digits as sklearn_digits
-    except ImportError as err:
-        raise ImportError("the digits data come with scikit-learn: pip install 'opsd[digits]' (or scikit-learn)") from err
-    data = sklearn_digits()
-    return data.images, data.target
+UCI_DIGITS_FILE = pathlib.Path(__file__).with_name("uci_digits.csv.gz")
+"""One scan a row: 64 pixel values (row by row), then the digit; as `sklearn.datasets.load_digits` reads it."""
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """(images [1797, 8, 8] of 0-16, labels [1797])."""
+    table = np.loadtxt(UCI_DIGITS_FILE, delimiter=",")
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
 
 
 def draw_handwritten(pixels, size: int = 64) -> Image.Image:

@@ -1,11 +1,25 @@
 """The handwritten digits of the skill task (opsd/data/digits.py): disjoint splits that never hold a
 scan the model build saw, whatever the seed."""
 
+import hashlib
+
+import numpy as np
 import pytest
 
-from opsd.data.digits import BUILD_SCANS, WORDS, build_indices, make_rows, split_indices
+from opsd.data.digits import BUILD_SCANS, UCI_DIGITS_FILE, WORDS, build_indices, load_digits, make_rows, split_indices
 
 TOTAL = 1797
+
+
+def test_the_uci_file_is_scikit_learns_copy_with_the_uci_class_counts():
+    # sklearn/datasets/data/digits.csv.gz of scikit-learn 1.9.1 (unchanged for years), byte for byte.
+    digest = hashlib.sha256(UCI_DIGITS_FILE.read_bytes()).hexdigest()
+    assert digest == "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22"
+    images, labels = load_digits()
+    assert images.shape == (TOTAL, 8, 8) and labels.shape == (TOTAL,)
+    assert images.min() == 0 and images.max() == 16 and np.array_equal(images, images.round())
+    # The class counts UCI documents for the test set (optdigits.tes), which this file is.
+    assert np.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])
