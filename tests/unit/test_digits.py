@@ -1,5 +1,5 @@
-"""The handwritten digits of the skill task (opsd/data/digits.py): disjoint splits that never hold a
-scan the model build saw, whatever the seed."""
+"""The handwritten digits of the skill task (opsd/data/digits.py): the UCI file as scikit-learn ships
+it, and disjoint splits that never hold a scan the model build saw, whatever the seed."""
 
 import hashlib
 
@@ -12,7 +12,7 @@ TOTAL = 1797
 
 
 def test_the_uci_file_is_scikit_learns_copy_with_the_uci_class_counts():
-    # sklearn/datasets/data/digits.csv.gz of scikit-learn 1.9.1 (unchanged for years), byte for byte.
+    # sklearn/datasets/data/digits.csv.gz of scikit-learn 1.9.1, byte for byte.
     digest = hashlib.sha256(UCI_DIGITS_FILE.read_bytes()).hexdigest()
     assert digest == "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22"
     images, labels = load_digits()
