@@ -33,7 +33,8 @@ and writes its own section of the report and its own PNG. Tasks (`--tasks`):
                  and min-max), opsd_reward (opsd + the answer-checking GRPO term), sft (cross-entropy on
                  the answer), noise and no_privileged. Accuracy by optimizer step and by sampled
                  completion token; the tokens each run needed to reach a stated accuracy; opsd beside
-                 grpo at equal tokens and at equal steps. Its acceptance: the opsd mean +15 points,
+                 grpo at equal tokens and at equal steps; per seed, how many held-out answers changed
+                 (a control's accuracy can stay while its answers move). Its acceptance: the opsd mean +15 points,
                  the controls within 5. The runs write no checkpoint (`checkpoint.save_final=false`).
                  `--skill-jobs` runs at once (2 by default), the cores shared, one thread each on 2 cores.
 
@@ -56,6 +57,7 @@ every run of the text task (e.g. train.max_steps=2).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -464,6 +466,25 @@ def skill_points(records: list[dict]) -> list[dict]:
     return [{**e, "completion_tokens": at[e["step"]]} for e in eval_points(records)]
 
 
+def answers_moved(run_dir: Path, first_step: int, last_step: int) -> dict:
+    """How the student's held-out answers moved between two evaluations, from their records
+    (opsd/evaluation.py): the items whose answer (normalised; "(none)": no answer found) changed, and
+    the answers given at each, most common first. An accuracy that stays put can hide answers that
+    moved: a control's right answers lost and others gained by chance."""
+    from opsd.answers import normalise_answer
+    from opsd.evaluation import ROLES, eval_file
+
+    def answers(step: int) -> dict:
+        rows = map(json.loads, eval_file(run_dir, step).read_text().splitlines())
+        return {r["id"]: "(none)" if r["answer"] is None else normalise_answer(r["answer"])
+                for r in rows if r["role"] == ROLES[""]}
+
+    first, last = answers(first_step), answers(last_step)
+    return {"changed": sum(first[item] != last.get(item) for item in first), "items": len(first),
+            "first": {"step": first_step, "counts": dict(collections.Counter(first.values()).most_common())},
+            "last": {"step": last_step, "counts": dict(collections.Counter(last.values()).most_common())}}
+
+
 def spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
 
@@ -660,7 +681,8 @@ def skill_task(args, out: Path, progress) -> dict:
         records = read_records(run_dir / "metrics.jsonl")
         evals = skill_points(records)
         return {"seed": seed, "overrides": SKILL_CONTROLS[name], "student_gain": evals[-1]["student_accuracy"] - evals[0]["student_accuracy"],
-                "eval": evals, "completion_tokens": evals[-1]["completion_tokens"], "wall_s": wall, "cpu_s": cpu,
+                "eval": evals, "answers": answers_moved(run_dir, evals[0]["step"], evals[-1]["step"]),
+                "completion_tokens": evals[-1]["completion_tokens"], "wall_s": wall, "cpu_s": cpu,
                 "reward_mean_first_last": [next((r.get("reward/mean") for r in records if "reward/mean" in r), None),
                                            next((r.get("reward/mean") for r in reversed(records) if "reward/mean" in r), None)]}
 
@@ -679,7 +701,9 @@ def skill_task(args, out: Path, progress) -> dict:
                 continue
             done[name, seed] = result
             accs = ", ".join(f"{e['step']}: {e['student_accuracy']:.2f}" for e in result["eval"])
-            say(f"  {name} seed {seed}: held-out accuracy by step {accs} ({result['wall_s']:.0f} s)")
+            moved = result["answers"]
+            say(f"  {name} seed {seed}: held-out accuracy by step {accs}; answers changed on {moved['changed']} of "
+                f"{moved['items']} ({result['wall_s']:.0f} s)")
             task["runs"] = {run: skill_run_summary([done[run, s] for s in seeds_of(run) if (run, s) in done])
                             for run in args.skill_runs if any((run, s) in done for s in seeds_of(run))}
             write()

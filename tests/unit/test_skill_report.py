@@ -1,5 +1,5 @@
-"""bench/learning.py's skill task report from metrics records: per-seed gains beside the accuracies,
-mean and min-max, tokens to reach the stated accuracy, opsd beside grpo at equal tokens and at equal steps, acceptance."""
+"""bench/learning.py's skill task report from metrics records: per-seed gains beside the accuracies
+and how many answers moved, mean and min-max, tokens to reach the stated accuracy, opsd beside grpo at equal tokens and at equal steps, acceptance."""
 
 from pathlib import Path
 
@@ -24,6 +24,26 @@ def records(accuracies: dict[int, float], tokens_per_step: int) -> list[dict]:
             r.update({"eval/accuracy": accuracies[step], "eval/answered": 1.0, "eval/teacher_accuracy": 0.9, "time_eval_s": 1.0})
         out.append(r)
     return out
+
+
+def eval_records(run_dir: Path, step: int, answers: dict[str, str | None]) -> None:
+    """A run's evaluation records at `step` (opsd/evaluation.py's format): the student's answer per
+    item, and a teacher's record that the answers' count must leave out."""
+    from opsd.evaluation import eval_file, write_records
+
+    rows = [{"id": item, "role": "student", "completion": f"It is {a}.", "answer": a, "reference": "1", "correct": a == "one"}
+            for item, a in answers.items()]
+    write_records(eval_file(run_dir, step), rows + [{"id": "a", "role": "teacher", "answer": "nine"}])
+
+
+def test_answers_moved_counts_the_items_whose_normalised_answer_changed(learning, tmp_path):
+    """"seven" then "7" is the same answer; no answer counts as its own; the teacher's records are not the student's."""
+    eval_records(tmp_path, 0, {"a": "one", "b": "seven", "c": None, "d": "one"})
+    eval_records(tmp_path, 10, {"a": "two", "b": "7", "c": "two", "d": "one"})
+    moved = learning.answers_moved(tmp_path, 0, 10)
+    assert moved["changed"] == 2 and moved["items"] == 4
+    assert moved["first"] == {"step": 0, "counts": {"1": 2, "7": 1, "(none)": 1}}
+    assert moved["last"] == {"step": 10, "counts": {"2": 2, "7": 1, "1": 1}}
 
 
 def seed(learning, number, accuracies, tokens_per_step):
@@ -91,6 +111,8 @@ def test_the_skill_runs_run_two_at_once_one_thread_each_and_report_in_the_order_
         gain = {"opsd": 0.2, "grpo": 0.1}[out.parts[-2]]
         rows = records({0: 0.1, 2: 0.1 + gain}, 10)
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        eval_records(out, 0, {"a": "one", "b": "one"})
+        eval_records(out, 2, {"a": "two", "b": "one"})
         with lock:
             running.discard(out)
         return 1.0, 2.0
@@ -110,6 +132,7 @@ def test_the_skill_runs_run_two_at_once_one_thread_each_and_report_in_the_order_
     assert [s["seed"] for s in task["runs"]["opsd"]["seeds"]] == [0, 1]
     assert task["runs"]["opsd"]["student_gain"]["mean"] == pytest.approx(0.2)
     assert task["runs"]["grpo"]["student_gain"]["mean"] == pytest.approx(0.1)
+    assert task["runs"]["grpo"]["seeds"][1]["answers"]["changed"] == 1
 
 
 def test_a_failed_skill_run_is_reported_at_once_and_no_other_starts(learning, tmp_path, monkeypatch):
