@@ -609,9 +609,9 @@ class TrainConfig:
     max_forward_tokens: Annotated[int, Field(gt=0)] = 10240
     """Longest sequence fed to a forward; the completion is truncated so the teacher's fits."""
     share_prompt_forward: bool = True
-    """Score the samples of one text prompt in packed rows of up to `max_forward_tokens`, the prompt
-    computed once per row: same scores, fewer tokens when `rollout.samples_per_prompt > 1` (text
-    models, sdpa or eager attention). Worth it when prompts are long against completions; a row's
+    """Score the samples of one prompt in packed rows of up to `max_forward_tokens`, the prompt (and
+    its images) computed once per row: same scores, fewer tokens when `rollout.samples_per_prompt > 1`
+    (text models and Idefics3/SmolVLM, sdpa or eager attention). Worth it when prompts are long against completions; a row's
     attention is quadratic in its length and takes no flash kernel, so with many long completions
     to a short prompt, measure (bench/step_profile.py) or set false."""
     seed: int = 0

@@ -51,15 +51,15 @@ def forward_completion_logits(model, batch: ForwardBatch) -> torch.Tensor:
 
 
 PACKING_VISION_MODELS = ("idefics3",)
-"""Vision-language models whose forward of text-only rows passes `position_ids` and a 4-D mask to
-their language model unchanged (tested against unpacked rows); others (Qwen-VL) compute positions of
-their own. Rows with images are never packed (`shares_a_prompt`)."""
+"""Vision-language models whose forward passes `position_ids` and a 4-D mask to their language model
+unchanged and fills image tokens in order from per-row images (tested against unpacked rows, with
+images and without); others (Qwen-VL) compute positions of their own."""
 
 
 def packs_shared_prompts(model) -> bool:
     """Whether `model` can score packed rows of shared prompts (`collate(packed_row_tokens=...)`): a
-    text model, or an Idefics3 model's text-only prompts (a picture-facts student's), whose attention
-    takes a 4-D mask (not flash-attention, which takes none)."""
+    text model, or an Idefics3 model (prompts with images or without), whose attention takes a 4-D
+    mask (not flash-attention, which takes none)."""
     config = model.config
     text = getattr(config, "vision_config", None) is None or config.model_type in PACKING_VISION_MODELS
     return text and config._attn_implementation in ("sdpa", "eager")

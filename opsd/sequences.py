@@ -96,7 +96,7 @@ def collate(
 ) -> ForwardBatch:
     """Right-pad `prompt + completion` sequences into one batch.
 
-    `packed_row_tokens`: completions of one text prompt (the same `EncodedPrompt` object, as
+    `packed_row_tokens`: completions of one prompt (the same `EncodedPrompt` object, as
     `build_examples` pairs a prompt's samples) share rows of up to this many tokens, the prompt once
     in each, every completion attending to the prompt and to itself (`collate_shared_prompts`).
     """
@@ -119,7 +119,14 @@ def collate(
         for i, p in enumerate(prompts):
             if key in p.per_token:
                 inputs[key][i, : len(p.input_ids)] = p.per_token[key]
-    with_images = [p.vision for p in prompts if p.vision]
+    inputs.update(vision_inputs(prompts))
+    return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
+
+
+def vision_inputs(row_prompts: list[EncodedPrompt]) -> dict[str, torch.Tensor]:
+    """The batch's vision tensors, given the prompt of each row in order."""
+    inputs = {}
+    with_images = [p.vision for p in row_prompts if p.vision]
     if with_images:
         for key, first in with_images[0].items():
             if flat_patches(with_images[0]):
@@ -129,14 +136,16 @@ def collate(
                 # Idefics-style [1, n_images, C, H, W] is padded per image with all-zero images,
                 # which the model skips; a text-only row (a dataset mixture) holds only padding.
                 empty = first.new_zeros((1, 0, *first.shape[2:]))
-                inputs[key] = _pad_images([p.vision.get(key, empty) for p in prompts])
-    return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
+                inputs[key] = _pad_images([p.vision.get(key, empty) for p in row_prompts])
+    return inputs
 
 
 def shares_a_prompt(prompts: list[EncodedPrompt]) -> bool:
-    """Whether packing applies and may save anything: text prompts only, one holding several completions."""
-    if any(p.vision or p.per_token for p in prompts):
-        return False  # vision inputs are batched per row; their models compute their own positions
+    """Whether packing applies and may save anything: one prompt holds several completions, and the
+    prompts are text or hold per-row images (Idefics-style), whose image tokens a packed row holds
+    once, as its prompt does."""
+    if any(p.per_token or (p.vision and flat_patches(p.vision)) for p in prompts):
+        return False  # per-token inputs and flat patches come with models that compute their own positions
     return len({id(p) for p in prompts}) < len(prompts)
 
 
@@ -149,7 +158,8 @@ def collate_shared_prompts(
 
     The prompt is computed once per row instead of once per sample. A row holds the completions of
     one prompt that fit in `max_row_tokens` (at least one): attention is quadratic in a row's length,
-    and the budget that bounds a sequence's memory bounds a packed row's too. Text prompts only.
+    and the budget that bounds a sequence's memory bounds a packed row's too. A row's images are its
+    prompt's (`shares_a_prompt`).
     """
     rows: list[list[int]] = []  # example indices per row, in order of first appearance
     open_row: dict[int, int] = {}  # id(prompt) -> the row its next completion may join
@@ -187,6 +197,7 @@ def collate_shared_prompts(
     allowed = causal & (query != -1) & (key != -1) & ((key == 0) | (key == query))
     allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no all-masked row (NaN)
     inputs = {"input_ids": input_ids, "attention_mask": allowed[:, None], "position_ids": position_ids}
+    inputs.update(vision_inputs([prompts[group[0]] for group in rows]))
     return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
 
 

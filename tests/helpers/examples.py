@@ -1,6 +1,7 @@
 """Examples (student and teacher prompts around one completion) of the tiny text model, without an engine."""
 
 import torch
+from PIL import Image
 
 from opsd.config import ModelConfig, PromptConfig
 from opsd.data.sample import Sample
@@ -16,14 +17,17 @@ def text_model(model_dir):
     return load_model(cfg, processor, torch.device("cpu")), processor
 
 
-def text_examples(processor, lengths: list[int], seed: int = 0) -> list[Example]:
+def text_examples(processor, lengths: list[int], seed: int = 0, pictures: bool = False) -> list[Example]:
     """One example per completion length: question i, a worked solution for the teacher only, and
-    random completion ids (with made-up engine logprobs)."""
+    random completion ids (with made-up engine logprobs). `pictures`: the student's prompt also holds
+    a picture and the teacher's a second, privileged one (for a vision-language model)."""
     generator = torch.Generator().manual_seed(seed)
-    cfg = PromptConfig(privileged=["text"])
+    cfg = PromptConfig(privileged=["text", "images"] if pictures else ["text"])
     examples = []
     for i, length in enumerate(lengths):
-        sample = Sample(id=f"s{i}", question=f"What is {i} + {2 * i}?", images=[], privileged_images=[],
+        images = [Image.new("RGB", (32, 32), (40 * i, 90, 200))] if pictures else []
+        privileged = [Image.new("RGB", (32, 32), (200, 40 * i, 20))] if pictures else []
+        sample = Sample(id=f"s{i}", question=f"What is {i} + {2 * i}?", images=images, privileged_images=privileged,
                         privileged_text=f"{i} + {2 * i} = {3 * i}.", answer=str(3 * i))
         student = encode_prompt(processor, student_prompt(sample, processor, cfg))
         teacher = encode_prompt(processor, teacher_prompt(sample, processor, cfg))

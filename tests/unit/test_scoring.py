@@ -52,9 +52,19 @@ def test_an_idefics3_model_shares_the_forward_of_its_text_only_prompts(tiny_vlm_
     assert_sharing_a_prompt_forward_changes_nothing(model, processor, "sdpa")
 
 
-def assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_an_idefics3_model_shares_the_forward_of_prompts_with_pictures(tiny_vlm_dir, attention):
+    """The skill task's prompts: a picture for the student, a second for the teacher; a packed row
+    holds each picture once, as its prompt does."""
+    model, processor = text_model(tiny_vlm_dir)
+    batch = assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention, pictures=True)
+    assert batch.inputs["pixel_values"].shape[:2] == (2, 2)  # two rows (prompts), the teacher's two pictures
+
+
+def assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention, pictures=False):
+    """Returns the packed teacher batch."""
     model.config._attn_implementation = attention
-    base = text_examples(processor, [3, 5, 4, 2])
+    base = text_examples(processor, [3, 5, 4, 2], pictures=pictures)
     # Two samples of each prompt: the examples share their prompt objects, as build_examples pairs them.
     examples = [dataclasses.replace(base[i], completion_ids=base[j].completion_ids, engine_logprobs=base[j].engine_logprobs)
                 for i, j in ((0, 0), (0, 1), (2, 2), (2, 3))]
@@ -76,6 +86,9 @@ def assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention)
     torch.testing.assert_close(shared.distill, plain.distill, rtol=0, atol=1e-6)
     for got, want in zip(shared_grads, plain_grads):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)  # sums in another order
+    packed = score.batch(model, [e.teacher for e in examples], [e.completion_ids for e in examples])
+    assert packed.inputs["attention_mask"].dim() == 4  # packed, not a row per sequence
+    return packed
 
 
 def test_a_micro_batch_scores_both_roles_on_the_same_tokens(model_and_processor):
