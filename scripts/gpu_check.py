@@ -102,6 +102,16 @@ def _one_rank_group(device: torch.device) -> str:
     return backend
 
 
+def _end_process_group() -> None:
+    """Tear down the checks' one-rank group before exit, as the recipe's end_run does, rather than
+    leave it to the interpreter's exit (a `make test` run once saw the CPU check abort in C++ after
+    it had passed: "terminate called without an active exception", status -6)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def check_fsdp_nccl_ema_sync(args) -> dict:
     if args.device == "cuda":
         _need_cuda()
@@ -465,6 +475,7 @@ def main(argv=None) -> int:
     parser.add_argument("--recipe-timeout-s", type=float, default=240, help="recipe_runs: limit per training process")
     args = parser.parse_args(argv)
     report = run_checks(args.only or list(CHECKS), args, Path(args.out))
+    _end_process_group()
     print(f"report: {args.out}")
     return 1 if any(c["status"] == "failed" for c in report["checks"].values()) else 0
 
