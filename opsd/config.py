@@ -611,9 +611,9 @@ class TrainConfig:
     share_prompt_forward: bool = True
     """Score the samples of one prompt in packed rows of up to `max_forward_tokens`, the prompt (and
     its images) computed once per row: same scores, fewer tokens when `rollout.samples_per_prompt > 1`
-    (text models and Idefics3/SmolVLM, sdpa or eager attention). Worth it when prompts are long against completions; a row's
-    attention is quadratic in its length and takes no flash kernel, so with many long completions
-    to a short prompt, measure (bench/step_profile.py) or set false."""
+    (text models and Idefics3/SmolVLM, sdpa or eager attention). Worth it when prompts are long
+    against completions; a row's attention is quadratic in its length and takes no flash kernel, so
+    with many long completions to a short prompt, measure (bench/step_profile.py) or set false."""
     seed: int = 0
     """Seeds the data order, the sampling (per step and prompt) and the global RNGs."""
     max_bad_steps: Annotated[int, Field(gt=0)] = 3
