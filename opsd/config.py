@@ -614,6 +614,11 @@ class TrainConfig:
     (text models and Idefics3/SmolVLM, sdpa or eager attention). Worth it when prompts are long
     against completions; a row's attention is quadratic in its length and takes no flash kernel, so
     with many long completions to a short prompt, measure (bench/step_profile.py) or set false."""
+    keep_freed_memory: bool = True
+    """On a CPU device, glibc's malloc keeps what the process frees for its next allocations
+    instead of returning it to the system, so each step does not fault gigabytes in again
+    (opsd/trainer/host_memory.py; docs/training.md, Host memory on CPU). The resident size stays at
+    the run's peak. Ignored where the user set glibc's MALLOC_* variables or malloc tunables."""
     seed: int = 0
     """Seeds the data order, the sampling (per step and prompt) and the global RNGs."""
     max_bad_steps: Annotated[int, Field(gt=0)] = 3

@@ -92,6 +92,7 @@ from opsd.trainer.console import native_output_to_log, third_party_output
 from opsd.trainer.distributed import Ranks, init_distributed
 from opsd.trainer.fsdp import copy_of_shards, load_sharded, shard_model
 from opsd.trainer.heartbeat import EXIT_RANK_LOST
+from opsd.trainer.host_memory import keep_freed_memory
 from opsd.trainer.memory_plan import detected_device_gb, plan_memory
 from opsd.trainer.output_lock import OutputDirInUse, output_dir_lock
 from opsd.trainer.metrics import MetricsLogger, NullMetricsLogger, StageTimer, mismatch_threshold
@@ -236,6 +237,8 @@ def start_run(cfg: Config, log_file: Path) -> Run:
     What the engine prints while it starts goes to `log_file` unless `logging.verbose`."""
     output_dir = Path(cfg.logging.output_dir)
     ranks = init_distributed(cfg.distributed, cfg.train.device)  # before the engine: vLLM joins this group
+    if ranks.device.type == "cpu" and cfg.train.keep_freed_memory:
+        keep_freed_memory()  # before the engine and the models load: steps reuse what they free
     if ranks.is_main:
         print(describe_plan(cfg), flush=True)
     checkpoints = CheckpointManager(cfg, output_dir)  # removes half-written saves, finds what to resume
