@@ -1,12 +1,13 @@
 """Training steps on CPU with freed memory kept in the process (`train.keep_freed_memory`) and returned.
 
 Each setting runs `--at-once` recipe processes side by side (2: as `bench/learning.py --tasks skill`
-runs them, one thread each), `--steps` steps, no evaluation; then the other setting, then (with
-`--rounds 2`) both again in the other order. Per setting: the training stage's median from step 3
+runs them, one thread each), `--steps` steps (no evaluation unless an override sets `eval.every`);
+then the other setting, then (with `--rounds 2`) both again in the other order. Per setting: the training stage's median from step 3
 (the first steps fault the run's memory in whichever the setting), steps 1-2, the sum of all, the
-rollout's sum, and the processes' wall, user and system seconds; the ratios kept / returned.
+rollout's and the evaluations' sums, and the processes' wall, user and system seconds; the ratios
+kept / returned.
 
-    .venv/bin/python bench/host_memory.py [--config configs/learn_digits_smollm2_vlm.yaml] [--steps 6] [--rounds 1]
+    .venv/bin/python bench/host_memory.py [--config configs/learn_digits_smollm2_vlm.yaml] [--steps 6] [--rounds 1] [eval.every=3]
 
 Prints one JSON object last. What the setting saves depends on how the machine's kernel (and
 hypervisor) hands out pages; on the 2-core CI machines system time took most of some steps.
@@ -50,8 +51,9 @@ def run_pair(config: str, keep: str, steps: int, at_once: int, out: Path, extra:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         train = [r["time_train_s"] for r in rows if "time_train_s" in r]
         rollout = [r["time_rollout_s"] for r in rows if "time_rollout_s" in r]
+        evals = [r["time_eval_s"] for r in rows if "time_eval_s" in r]
         results.append({"wall_s": wall, "user_s": usage.ru_utime, "system_s": usage.ru_stime,
-                        "train_s": train, "rollout_s": rollout})
+                        "train_s": train, "rollout_s": rollout, "eval_s": evals})
     return results
 
 
@@ -61,6 +63,7 @@ def summary(runs: list[dict]) -> dict:
         "train_steps_1_2_s": statistics.mean(sum(r["train_s"][:2]) for r in runs),
         "train_sum_s": statistics.mean(sum(r["train_s"]) for r in runs),
         "rollout_sum_s": statistics.mean(sum(r["rollout_s"]) for r in runs),
+        "eval_sum_s": statistics.mean(sum(r["eval_s"]) for r in runs),
         "wall_s": statistics.mean(r["wall_s"] for r in runs),
         "user_s": statistics.mean(r["user_s"] for r in runs),
         "system_s": statistics.mean(r["system_s"] for r in runs),
