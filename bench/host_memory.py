@@ -2,10 +2,10 @@
 
 Each setting runs `--at-once` recipe processes side by side (2: as `bench/learning.py --tasks skill`
 runs them, one thread each), `--steps` steps (no evaluation unless an override sets `eval.every`);
-then the other setting, then (with `--rounds 2`) both again in the other order. Per setting: the training stage's median from step 3
-(the first steps fault the run's memory in whichever the setting), steps 1-2, the sum of all, the
-rollout's and the evaluations' sums, and the processes' wall, user and system seconds; the ratios
-kept / returned.
+then the other setting, then (with `--rounds 2`) both again in the other order. Per setting: the
+training stage's median from step 3 (the first steps fault the run's memory in whichever the
+setting), steps 1-2, the sum of all, the rollout's and the evaluations' sums, and the processes'
+wall, user and system seconds; the ratios kept / returned.
 
     .venv/bin/python bench/host_memory.py [--config configs/learn_digits_smollm2_vlm.yaml] [--steps 6] [--rounds 1] [eval.every=3]
 
