@@ -439,12 +439,15 @@ SKILL_CONFIG = "configs/learn_digits_smollm2_vlm.yaml"
 SKILL_CONTROLS = {
     "opsd": [],
     # The same prompts, samples and completion budget, the answer checked (the config's reward
-    # section: answer_match), no teacher.
-    "grpo": ["loss={kind: grpo}"],
+    # section: answer_match), no teacher. Runs without a teacher skip the teacher prompt's
+    # evaluation (half of every evaluation): it tells nothing about them, and the student's answers
+    # are the same without it.
+    "grpo": ["loss={kind: grpo}", "eval.with_teacher_prompt=false"],
     # OPSD with a verifier: the jsd term plus the GRPO term on the same samples.
     "opsd_reward": ["loss.reward_weight=1.0"],
     # Cross-entropy on the answer ("7 is seven."), one copy per prompt.
-    "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1", "prompts.privileged=[text]"],
+    "sft": ["loss={kind: sft, ce_weight: 1}", "rollout.samples_per_prompt=1", "prompts.privileged=[text]",
+            "eval.with_teacher_prompt=false"],
     "noise": ["prompts.noise=normal"],
     "no_privileged": ["prompts.privileged=[]"],
 }

@@ -614,6 +614,10 @@ class TrainConfig:
     (text models and Idefics3/SmolVLM, sdpa or eager attention). Worth it when prompts are long
     against completions; a row's attention is quadratic in its length and takes no flash kernel, so
     with many long completions to a short prompt, measure (bench/step_profile.py) or set false."""
+    share_prompt_prefix: bool = True
+    """With `share_prompt_forward`, prompts that begin with the same text (the system prompt and the
+    chat template up to the first picture) share one forward of it per packed row, several prompts
+    to a row: same scores, fewer tokens when prompts are short against that beginning."""
     keep_freed_memory: bool = True
     """On a CPU device, glibc's malloc keeps what the process frees for its next allocations
     instead of returning it to the system, so each step does not fault gigabytes in again

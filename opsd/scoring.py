@@ -167,16 +167,19 @@ class Scoring:
     packed_row_tokens: int | None = None
     """The samples of one prompt share a forward of it in rows of up to this many tokens (`collate`)
     where the model allows it (`packs_shared_prompts`); the scores are the same."""
+    share_prefix: bool = True
+    """In packed rows, prompts that begin alike also share one forward of their common text beginning."""
 
     @classmethod
     def from_config(cls, cfg: Config, processor) -> "Scoring":
         return cls(build_loss(cfg.loss), cfg.model.dtype, pad_token_id(processor), cfg.micro_batch_size,
-                   cfg.train.packed_row_tokens)
+                   cfg.train.packed_row_tokens, cfg.train.share_prompt_prefix)
 
     def batch(self, model, prompts, completions) -> ForwardBatch:
         """`prompts` + `completions` as `model` scores them (packed shared prompts where it can)."""
         packing = self.packed_row_tokens if packs_shared_prompts(model) else None
-        return collate(prompts, completions, self.pad_id, packed_row_tokens=packing)
+        return collate(prompts, completions, self.pad_id, packed_row_tokens=packing,
+                       image_token_id=getattr(model.config, "image_token_id", None), share_prefix=self.share_prefix)
 
     def micro_batch(self, student, teacher, micro: list[Example], timed: Timed = untimed) -> ScoredBatch:
         """Student forward (with grad when enabled), teacher forward without, per-token terms and the

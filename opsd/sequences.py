@@ -93,15 +93,21 @@ def _pad_images(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def collate(
     prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, *, packed_row_tokens: int | None = None,
+    image_token_id: int | None = None, share_prefix: bool = True,
 ) -> ForwardBatch:
     """Right-pad `prompt + completion` sequences into one batch.
 
     `packed_row_tokens`: completions of one prompt (the same `EncodedPrompt` object, as
     `build_examples` pairs a prompt's samples) share rows of up to this many tokens, the prompt once
-    in each, every completion attending to the prompt and to itself (`collate_shared_prompts`).
+    in each, every completion attending to the prompt and to itself; with `share_prefix`, prompts
+    that begin with the same text (system prompt, chat template) also share one copy of it per row
+    (`collate_packed`). `image_token_id`: the model's image placeholder, where a shared text
+    beginning ends at the latest (the pictures behind equal placeholders differ).
     """
-    if packed_row_tokens and shares_a_prompt(prompts):
-        return collate_shared_prompts(prompts, completions, pad_id, packed_row_tokens)
+    if packed_row_tokens and packable(prompts):
+        prefix = shared_prefix_length(prompts, image_token_id) if share_prefix else 0
+        if len({id(p) for p in prompts}) < len(prompts) or prefix:
+            return collate_packed(prompts, completions, pad_id, packed_row_tokens, prefix)
     rows = [p.input_ids + c for p, c in zip(prompts, completions)]
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -140,65 +146,123 @@ def vision_inputs(row_prompts: list[EncodedPrompt]) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def shares_a_prompt(prompts: list[EncodedPrompt]) -> bool:
-    """Whether packing applies and may save anything: one prompt holds several completions, and the
-    prompts are text or hold per-row images (Idefics-style), whose image tokens a packed row holds
-    once, as its prompt does."""
-    if any(p.per_token or (p.vision and flat_patches(p.vision)) for p in prompts):
-        return False  # per-token inputs and flat patches come with models that compute their own positions
-    return len({id(p) for p in prompts}) < len(prompts)
+def packable(prompts: list[EncodedPrompt]) -> bool:
+    """Whether prompts may share rows: text, or per-row images (Idefics-style), which a packed row
+    holds in the order their placeholders come."""
+    # per-token inputs and flat patches come with models that compute their own positions
+    return not any(p.per_token or (p.vision and flat_patches(p.vision)) for p in prompts)
 
 
-def collate_shared_prompts(
-    prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, max_row_tokens: int,
+def shared_prefix_length(prompts: list[EncodedPrompt], image_token_id: int | None) -> int:
+    """How many leading ids every distinct prompt shares, up to its first image placeholder and
+    leaving each at least one id of its own; 0 for a single prompt. Unknown placeholders
+    (`image_token_id` None) share nothing of prompts with images."""
+    distinct = list({id(p): p.input_ids for p in prompts}.values())
+    if len(distinct) < 2 or (image_token_id is None and any(p.vision for p in prompts)):
+        return 0
+    length = min(len(ids) for ids in distinct) - 1
+    for n, column in enumerate(zip(*distinct)):
+        if n == length or column[0] == image_token_id or any(t != column[0] for t in column):
+            return n
+    return length
+
+
+def collate_packed(
+    prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, max_row_tokens: int, prefix: int = 0,
 ) -> ForwardBatch:
-    """Rows `prompt + completion_1 + completion_2 + ...`, each completion at the positions it would
-    have after the prompt alone and attending only to the prompt and to itself (a [B, 1, L, L]
-    boolean mask), so its logits are those of its own `prompt + completion`.
+    """Rows `[shared prefix] prompt_a + completion_a1 + completion_a2 + ... [prompt_b + ...]`, each
+    completion at the positions it would have after its prompt alone and attending only to its
+    prompt and to itself (a [B, 1, L, L] boolean mask), so its logits are those of its own
+    `prompt + completion`.
 
-    The prompt is computed once per row instead of once per sample. A row holds the completions of
-    one prompt that fit in `max_row_tokens` (at least one): attention is quadratic in a row's length,
-    and the budget that bounds a sequence's memory bounds a packed row's too. A row's images are its
-    prompt's (`shares_a_prompt`).
+    A prompt is computed once per row instead of once per sample: a chunk holds the completions of
+    one prompt that fit in `max_row_tokens` with it (at least one). With `prefix` > 0, the first
+    `prefix` ids, which every prompt shares (`shared_prefix_length`), stand once at the head of a
+    row and the row holds several chunks, each after it with the rest of its prompt; rows are
+    balanced (longest chunk first into the shortest row) within `max_row_tokens`: attention is
+    quadratic in a row's length, and the budget that bounds a sequence's memory bounds a row's
+    too. Without a prefix each chunk is a row. A row's images are its prompts', in order.
     """
-    rows: list[list[int]] = []  # example indices per row, in order of first appearance
-    open_row: dict[int, int] = {}  # id(prompt) -> the row its next completion may join
+    chunks: list[list[int]] = []  # example indices per chunk, in order of first appearance
+    open_chunk: dict[int, int] = {}  # id(prompt) -> the chunk its next completion may join
     for i, p in enumerate(prompts):
-        r = open_row.get(id(p))
-        if r is None or len(p.input_ids) + sum(len(completions[j]) for j in rows[r]) + len(completions[i]) > max_row_tokens:
-            r = open_row[id(p)] = len(rows)
-            rows.append([])
-        rows[r].append(i)
-    lengths = [len(prompts[g[0]].input_ids) + sum(len(completions[i]) for i in g) for g in rows]
+        c = open_chunk.get(id(p))
+        if c is None or len(p.input_ids) + sum(len(completions[j]) for j in chunks[c]) + len(completions[i]) > max_row_tokens:
+            c = open_chunk[id(p)] = len(chunks)
+            chunks.append([])
+        chunks[c].append(i)
+    sizes = [len(prompts[g[0]].input_ids) - prefix + sum(len(completions[i]) for i in g) for g in chunks]
+    rows = [[c] for c in range(len(chunks))] if not prefix else balanced_rows(sizes, max_row_tokens - prefix)
+    lengths = [prefix + sum(sizes[c] for c in row) for row in rows]
     width = max(lengths)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    segment = torch.full((len(rows), width), -1, dtype=torch.long)  # 0 prompt, k completion k, -1 padding
+    # Per token: its chunk in the row (0 the shared prefix, -1 padding) and its part of the chunk
+    # (0 the prompt, k its k-th completion).
+    chunk_of = torch.full((len(rows), width), -1, dtype=torch.long)
+    part = torch.zeros((len(rows), width), dtype=torch.long)
     # Per example, flat positions: its prompt's last one (predicts its first token), where it begins.
     anchors: list[tuple[int, int]] = [(0, 0)] * len(prompts)
-    for r, group in enumerate(rows):
-        prompt = prompts[group[0]].input_ids
-        input_ids[r, : len(prompt)] = torch.tensor(prompt)
-        position_ids[r, : len(prompt)] = torch.arange(len(prompt))
-        segment[r, : len(prompt)] = 0
-        start = len(prompt)
-        for k, i in enumerate(group, start=1):
-            c = completions[i]
-            input_ids[r, start : start + len(c)] = torch.tensor(c, dtype=torch.long)
-            position_ids[r, start : start + len(c)] = torch.arange(len(prompt), len(prompt) + len(c))
-            segment[r, start : start + len(c)] = k
-            anchors[i] = (r * width + len(prompt) - 1, r * width + start)
-            start += len(c)
+    for r, row in enumerate(rows):
+        head = prompts[chunks[row[0]][0]].input_ids[:prefix]
+        input_ids[r, :prefix] = torch.tensor(head, dtype=torch.long)
+        position_ids[r, :prefix] = torch.arange(prefix)
+        chunk_of[r, :prefix] = 0
+        start = prefix
+        for n, c in enumerate(row, start=1):
+            prompt = prompts[chunks[c][0]].input_ids
+            rest = prompt[prefix:]
+            input_ids[r, start : start + len(rest)] = torch.tensor(rest, dtype=torch.long)
+            position_ids[r, start : start + len(rest)] = torch.arange(prefix, len(prompt))
+            chunk_of[r, start : start + len(rest)] = n
+            prompt_last = r * width + start + len(rest) - 1
+            start += len(rest)
+            for k, i in enumerate(chunks[c], start=1):
+                ids = completions[i]
+                input_ids[r, start : start + len(ids)] = torch.tensor(ids, dtype=torch.long)
+                position_ids[r, start : start + len(ids)] = torch.arange(len(prompt), len(prompt) + len(ids))
+                chunk_of[r, start : start + len(ids)] = n
+                part[r, start : start + len(ids)] = k
+                anchors[i] = (prompt_last, r * width + start)
+                start += len(ids)
     positions = []
     for (prompt_last, begin), c in zip(anchors, completions):
         positions.extend([prompt_last, *range(begin, begin + len(c) - 1)])
-    query, key = segment[:, :, None], segment[:, None, :]
+    query_chunk, key_chunk = chunk_of[:, :, None], chunk_of[:, None, :]
+    query_part, key_part = part[:, :, None], part[:, None, :]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
-    allowed = causal & (query != -1) & (key != -1) & ((key == 0) | (key == query))
+    same_sequence = (key_chunk == 0) | ((key_chunk == query_chunk) & ((key_part == 0) | (key_part == query_part)))
+    allowed = causal & (query_chunk != -1) & (key_chunk != -1) & same_sequence
     allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no all-masked row (NaN)
     inputs = {"input_ids": input_ids, "attention_mask": allowed[:, None], "position_ids": position_ids}
-    inputs.update(vision_inputs([prompts[group[0]] for group in rows]))
+    inputs.update(vision_inputs([row_images([prompts[chunks[c][0]] for c in row]) for row in rows]))
     return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
+
+
+def balanced_rows(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Chunk indices per row, as few rows as fit each within `capacity`, their lengths alike:
+    longest chunk first into the shortest row (a chunk never exceeds `capacity` on its own)."""
+    order = sorted(range(len(sizes)), key=lambda c: (-sizes[c], c))
+    for count in range(max(1, -(-sum(sizes) // capacity)), len(sizes) + 1):
+        rows: list[list[int]] = [[] for _ in range(count)]
+        loads = [0] * count
+        for c in order:
+            r = min(range(count), key=lambda r: (loads[r], r))
+            if loads[r] + sizes[c] > capacity:
+                break
+            rows[r].append(c)
+            loads[r] += sizes[c]
+        else:
+            return [sorted(row) for row in rows if row]
+    return [[c] for c in range(len(sizes))]
+
+
+def row_images(row_prompts: list[EncodedPrompt]) -> EncodedPrompt:
+    """One row's prompts as one prompt for `vision_inputs`: their per-row images, in order."""
+    with_images = [p.vision for p in row_prompts if p.vision]
+    if not with_images:
+        return EncodedPrompt([])
+    return EncodedPrompt([], {key: torch.cat([v[key] for v in with_images], dim=1) for key in with_images[0]})
 
 
 def _flat(completions: list[list[int]]) -> torch.Tensor:

@@ -58,7 +58,13 @@ def test_an_idefics3_model_shares_the_forward_of_prompts_with_pictures(tiny_vlm_
     holds each picture once, as its prompt does."""
     model, processor = text_model(tiny_vlm_dir)
     batch = assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention, pictures=True)
-    assert batch.inputs["pixel_values"].shape[:2] == (2, 2)  # two rows (prompts), the teacher's two pictures
+    # One row: the two prompts share their beginning up to the first picture, then hold their own
+    # two pictures each, in order.
+    assert batch.inputs["pixel_values"].shape[:2] == (1, 4)
+    examples = text_examples(processor, [3, 5], pictures=True)
+    alone = scoring(JsdLossConfig(), processor, packed_row_tokens=1024, share_prefix=False).batch(
+        model, [e.teacher for e in examples for _ in range(2)], [e.completion_ids for e in examples for _ in range(2)])
+    assert alone.inputs["pixel_values"].shape[:2] == (2, 2)  # without: a row per prompt
 
 
 def assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention, pictures=False):
@@ -88,6 +94,7 @@ def assert_sharing_a_prompt_forward_changes_nothing(model, processor, attention,
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)  # sums in another order
     packed = score.batch(model, [e.teacher for e in examples], [e.completion_ids for e in examples])
     assert packed.inputs["attention_mask"].dim() == 4  # packed, not a row per sequence
+    assert packed.inputs["input_ids"].shape[0] == 1  # the two prompts' shared beginning once
     return packed
 
 

@@ -1,6 +1,7 @@
 """Sequences: prompt ids followed by the completion ids, the completion budget, batching, the length check."""
 
 import pytest
+import torch
 
 from opsd.config import PromptConfig, config_from_dict
 from opsd.data.errors import BadSample
@@ -8,8 +9,8 @@ from opsd.data.sample import Sample
 from opsd.prompts import student_prompt, teacher_prompt
 from opsd.rollout.engine import Completion
 from opsd.sequences import (
-    EncodedPrompt, build_examples, collate, completion_budget, encode_prompt,
-    padding_example, prompt_length_check,
+    EncodedPrompt, balanced_rows, build_examples, collate, completion_budget, encode_prompt,
+    padding_example, prompt_length_check, shared_prefix_length,
 )
 from tests.helpers.examples import text_model
 
@@ -59,6 +60,51 @@ def test_shared_prompts_pack_each_prompt_once_with_its_completions_after_it():
     assert split.inputs["input_ids"].tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0], [1, 2, 3, 12, 0]]
     assert split.completion_ids.tolist() == [7, 8, 9, 10, 11, 12]
     assert split.completion_positions.tolist() == [2, 3, 5, 6, 7, 12]
+
+
+def test_prompts_that_begin_alike_share_one_copy_of_their_beginning_per_row():
+    first, second = EncodedPrompt([1, 2, 3, 4]), EncodedPrompt([1, 2, 5])
+    prompts, completions = [first, second, first], [[7, 8], [9], [10]]
+    batch = collate(prompts, completions, pad_id=0, packed_row_tokens=16)
+    # [1, 2] once, then each prompt's own rest followed by its completions.
+    assert batch.inputs["input_ids"].tolist() == [[1, 2, 3, 4, 7, 8, 10, 5, 9]]
+    assert batch.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 4, 2, 3]]
+    mask = batch.inputs["attention_mask"][0, 0]
+    assert mask[8].tolist() == [True, True, False, False, False, False, False, True, True]  # 9: [1, 2], 5, itself
+    assert mask[6].tolist() == [True, True, True, True, False, False, True, False, False]  # 10: [1, 2, 3, 4], itself
+    assert mask[7].tolist() == [True, True, False, False, False, False, False, True, False]  # 5: [1, 2], itself
+    assert batch.completion_ids.tolist() == [7, 8, 9, 10]
+    assert batch.completion_positions.tolist() == [3, 4, 7, 3]
+    assert batch.inputs["input_ids"].flatten()[batch.completion_positions[:2] + 1].tolist() == [7, 8]
+    # Off: a row per prompt, as without a common beginning.
+    alone = collate(prompts, completions, pad_id=0, packed_row_tokens=16, share_prefix=False)
+    assert alone.inputs["input_ids"].tolist() == [[1, 2, 3, 4, 7, 8, 10], [1, 2, 5, 9, 0, 0, 0]]
+    # One sample per prompt: the beginning alone is worth a packed row.
+    assert collate([first, second], [[7], [9]], 0, packed_row_tokens=16).inputs["input_ids"].tolist() == [[1, 2, 3, 4, 7, 5, 9]]
+
+
+def test_a_shared_beginning_ends_at_the_first_picture_and_leaves_each_prompt_an_id():
+    def shared(*ids, image_token_id=None, vision=False):
+        pictures = {"pixel_values": torch.zeros(1, 1, 3, 2, 2)} if vision else {}
+        return shared_prefix_length([EncodedPrompt(list(i), dict(pictures)) for i in ids], image_token_id)
+
+    assert shared([1, 2, 99, 4], [1, 2, 99, 5], image_token_id=99, vision=True) == 2  # the pictures differ
+    assert shared([1, 2, 99, 4], [1, 2, 99, 5], vision=True) == 0  # placeholder unknown: nothing shared
+    assert shared([1, 2, 99, 4], [1, 2, 99, 5]) == 3  # text: 99 is a word like another
+    assert shared([1, 2], [1, 2, 3]) == 1  # [1, 2] stays a prompt of its own
+    assert shared([1, 2, 3]) == 0  # one prompt: nothing to share with
+
+
+def test_packed_rows_are_balanced_within_the_budget():
+    assert balanced_rows([5, 4, 3, 3, 2, 1], capacity=9) == [[0, 3, 5], [1, 2, 4]]  # 9 and 9
+    assert balanced_rows([6, 6, 6], capacity=9) == [[0], [1], [2]]
+    prompts = [EncodedPrompt([1, 2, 3 + i]) for i in range(6)]
+    completions = [[7] * n for n in (5, 1, 2, 4, 3, 1)]
+    batch = collate(prompts, completions, pad_id=0, packed_row_tokens=13)
+    rows = batch.inputs["input_ids"]
+    # [1, 2] then 1 + n tokens per prompt: 22 after the beginnings, two rows of 2 + 11, no padding.
+    assert rows.shape == (2, 13) and (rows != 0).sum(dim=1).tolist() == [13, 13]
+    assert sorted(batch.completion_ids.tolist()) == sorted(t for c in completions for t in c)
 
 
 def test_completions_are_cut_to_the_longer_prompt_and_dropped_when_nothing_fits():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from opsd.config import load_config
-from opsd.rollout.vllm_args import CPU_MAX_BATCHED_TOKENS, VLLMOptions, engine_args
+from opsd.rollout.vllm_args import CPU_BLOCK_SIZE, CPU_MAX_BATCHED_TOKENS, VLLMOptions, engine_args
 
 COMMON = dict(dtype="float32", max_model_len=512, max_images_per_prompt=2, kv_cache_memory_mb=64,
               gpu_memory_utilization=0.3, seed=3, sleep_mode=True, trust_remote_code=False)
@@ -16,6 +16,7 @@ def test_cpu_engines_run_eager_bounded_and_without_sleep_mode_whatever_the_confi
     assert args["enforce_eager"] is True  # vLLM's CPU build fails to compile
     assert "enable_sleep_mode" not in args  # refused on CPU
     assert args["max_num_batched_tokens"] == CPU_MAX_BATCHED_TOKENS
+    assert args["block_size"] == CPU_BLOCK_SIZE  # a prompt's samples share its full blocks
     assert args["kv_cache_memory_bytes"] == 64 << 20
     assert args["limit_mm_per_prompt"] == {"image": 2} and args["seed"] == 3
 
