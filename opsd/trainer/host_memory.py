@@ -5,7 +5,7 @@ returns large freed blocks to the system (`munmap`, heap trimming), so the next 
 amount back in and the kernel zeroes every page of it again. On the 2-core CI machines (virtual
 machines) that zeroing took most of some steps, processes at about 90% system time; kept, the pages
 are faulted in once, in the first steps, and reused after: the training stage from step 3 took 0.79x
-as long (bench/host_memory.py; docs/training.md, "Host memory on CPU").
+as long (bench/side_by_side.py; docs/training.md, "Host memory on CPU").
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ GLIBC_TUNABLES) has chosen, and this module leaves malloc alone."""
 
 def user_chose_malloc_settings(environ=os.environ) -> bool:
     return any(name in environ for name in USER_SETTINGS) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", "")
+
+
+def without_malloc_settings(environ=os.environ) -> dict[str, str]:
+    """`environ` less glibc's malloc variables and tunables: a child process started with it makes
+    the recipe's own choice (what a benchmark or a test of that choice needs)."""
+    return {k: v for k, v in environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
 
 
 def keep_freed_memory() -> bool:

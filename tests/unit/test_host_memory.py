@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from opsd.trainer.host_memory import user_chose_malloc_settings
+from opsd.trainer.host_memory import user_chose_malloc_settings, without_malloc_settings
 
 # Allocates and touches 256 MiB with malloc, frees it, and reports the resident size before and after
 # the free (MiB), and what `keep_freed_memory` returned (when asked to call it).
@@ -34,8 +34,7 @@ glibc = pytest.mark.skipif(
 
 
 def run_child(mode: str, **env) -> dict:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    done = subprocess.run([sys.executable, "-c", CHILD, mode], env={**environ, **env}, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", CHILD, mode], env={**without_malloc_settings(), **env}, capture_output=True,
                           text=True, check=True)
     return json.loads(done.stdout)
 
@@ -62,3 +61,5 @@ def test_user_choices_are_read_from_the_environment():
     assert user_chose_malloc_settings({"MALLOC_TRIM_THRESHOLD_": "0"})
     assert user_chose_malloc_settings({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"})
     assert not user_chose_malloc_settings({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"})
+    assert not user_chose_malloc_settings(without_malloc_settings(
+        {"MALLOC_TOP_PAD_": "1", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0", "PATH": "/bin"}))
