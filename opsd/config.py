@@ -617,7 +617,8 @@ class TrainConfig:
     share_prompt_prefix: bool = True
     """With `share_prompt_forward`, prompts that begin with the same text (the system prompt and the
     chat template up to the first picture) share one forward of it per packed row, several prompts
-    to a row: same scores, fewer tokens when prompts are short against that beginning."""
+    to a row where that costs less than their attention adds (`opsd.sequences.cheapest_rows`): same
+    scores, fewer tokens when prompts and completions are short against that beginning."""
     keep_freed_memory: bool = True
     """On a CPU device, glibc's malloc keeps what the process frees for its next allocations
     instead of returning it to the system, so each step does not fault gigabytes in again

@@ -65,6 +65,14 @@ def packs_shared_prompts(model) -> bool:
     return text and config._attn_implementation in ("sdpa", "eager")
 
 
+def attention_pair_cost(config) -> float:
+    """A query-key pair's attention against a position's linear layers, per layer: about 4 * hidden
+    FLOPs (scores and values) against 2 * (4 * hidden^2 + 3 * hidden * intermediate), some
+    24 * hidden^2; 1 / (6 * hidden): SmolLM2-135M 1/3456. How packed rows of several prompts are
+    sized (`opsd.sequences.cheapest_rows`)."""
+    return 1.0 / (6 * config.get_text_config().hidden_size)
+
+
 def postprocess_logits(config, logits: torch.Tensor) -> torch.Tensor:
     """What the model's own `forward` does to the LM head's output, which scoring bypasses:
     Gemma 2/3 `final_logit_softcapping`, Cohere `logit_scale`, Granite `logits_scaling`."""
@@ -179,7 +187,8 @@ class Scoring:
         """`prompts` + `completions` as `model` scores them (packed shared prompts where it can)."""
         packing = self.packed_row_tokens if packs_shared_prompts(model) else None
         return collate(prompts, completions, self.pad_id, packed_row_tokens=packing,
-                       image_token_id=getattr(model.config, "image_token_id", None), share_prefix=self.share_prefix)
+                       image_token_id=getattr(model.config, "image_token_id", None), share_prefix=self.share_prefix,
+                       pair_cost=attention_pair_cost(model.config))
 
     def micro_batch(self, student, teacher, micro: list[Example], timed: Timed = untimed) -> ScoredBatch:
         """Student forward (with grad when enabled), teacher forward without, per-token terms and the

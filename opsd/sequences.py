@@ -93,7 +93,7 @@ def _pad_images(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def collate(
     prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, *, packed_row_tokens: int | None = None,
-    image_token_id: int | None = None, share_prefix: bool = True,
+    image_token_id: int | None = None, share_prefix: bool = True, pair_cost: float = 0.0,
 ) -> ForwardBatch:
     """Right-pad `prompt + completion` sequences into one batch.
 
@@ -102,12 +102,13 @@ def collate(
     in each, every completion attending to the prompt and to itself; with `share_prefix`, prompts
     that begin with the same text (system prompt, chat template) also share one copy of it per row
     (`collate_packed`). `image_token_id`: the model's image placeholder, where a shared text
-    beginning ends at the latest (the pictures behind equal placeholders differ).
+    beginning ends at the latest (the pictures behind equal placeholders differ). `pair_cost`: what
+    attention between two positions costs against a position's linear layers (`cheapest_rows`).
     """
     if packed_row_tokens and packable(prompts):
         prefix = shared_prefix_length(prompts, image_token_id) if share_prefix else 0
         if len({id(p) for p in prompts}) < len(prompts) or prefix:
-            return collate_packed(prompts, completions, pad_id, packed_row_tokens, prefix)
+            return collate_packed(prompts, completions, pad_id, packed_row_tokens, prefix, pair_cost)
     rows = [p.input_ids + c for p, c in zip(prompts, completions)]
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -169,6 +170,7 @@ def shared_prefix_length(prompts: list[EncodedPrompt], image_token_id: int | Non
 
 def collate_packed(
     prompts: list[EncodedPrompt], completions: list[list[int]], pad_id: int, max_row_tokens: int, prefix: int = 0,
+    pair_cost: float = 0.0,
 ) -> ForwardBatch:
     """Rows `[shared prefix] prompt_a + completion_a1 + completion_a2 + ... [prompt_b + ...]`, each
     completion at the positions it would have after its prompt alone and attending only to its
@@ -178,10 +180,10 @@ def collate_packed(
     A prompt is computed once per row instead of once per sample: a chunk holds the completions of
     one prompt that fit in `max_row_tokens` with it (at least one). With `prefix` > 0, the first
     `prefix` ids, which every prompt shares (`shared_prefix_length`), stand once at the head of a
-    row and the row holds several chunks, each after it with the rest of its prompt; rows are
-    balanced (longest chunk first into the shortest row) within `max_row_tokens`: attention is
-    quadratic in a row's length, and the budget that bounds a sequence's memory bounds a row's
-    too. Without a prefix each chunk is a row. A row's images are its prompts', in order.
+    row and the row holds several chunks, each after it with the rest of its prompt, as many rows
+    as cost least (`cheapest_rows`), each within `max_row_tokens`: the budget that bounds a
+    sequence's memory bounds a row's too. Without a prefix each chunk is a row. A row's images are
+    its prompts', in order.
     """
     chunks: list[list[int]] = []  # example indices per chunk, in order of first appearance
     open_chunk: dict[int, int] = {}  # id(prompt) -> the chunk its next completion may join
@@ -192,7 +194,7 @@ def collate_packed(
             chunks.append([])
         chunks[c].append(i)
     sizes = [len(prompts[g[0]].input_ids) - prefix + sum(len(completions[i]) for i in g) for g in chunks]
-    rows = [[c] for c in range(len(chunks))] if not prefix else balanced_rows(sizes, max_row_tokens - prefix)
+    rows = [[c] for c in range(len(chunks))] if not prefix else cheapest_rows(sizes, prefix, max_row_tokens, pair_cost)
     lengths = [prefix + sum(sizes[c] for c in row) for row in rows]
     width = max(lengths)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -239,22 +241,37 @@ def collate_packed(
     return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
 
 
-def balanced_rows(sizes: list[int], capacity: int) -> list[list[int]]:
-    """Chunk indices per row, as few rows as fit each within `capacity`, their lengths alike:
-    longest chunk first into the shortest row (a chunk never exceeds `capacity` on its own)."""
-    order = sorted(range(len(sizes)), key=lambda c: (-sizes[c], c))
+def balanced_rows(sizes: list[int], capacity: int, count: int) -> list[list[int]] | None:
+    """Chunk indices in `count` rows of alike lengths within `capacity` (longest chunk first into
+    the shortest row), None when they do not fit."""
+    rows: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for c in sorted(range(len(sizes)), key=lambda c: (-sizes[c], c)):
+        r = min(range(count), key=lambda r: (loads[r], r))
+        if loads[r] + sizes[c] > capacity:
+            return None
+        rows[r].append(c)
+        loads[r] += sizes[c]
+    return [sorted(row) for row in rows]
+
+
+def cheapest_rows(sizes: list[int], prefix: int, max_row_tokens: int, pair_cost: float) -> list[list[int]]:
+    """The rows of chunks behind a shared `prefix` whose padded batch costs least: B rows of width
+    W cost B * W * (1 + pair_cost * W), positions through the linear layers plus attention's query-key
+    pairs (a padded row computes as much as a full one). Fewer rows share the prefix more; longer
+    ones cost more attention, which with long chunks outweighs what the prefix saves. As many rows as
+    chunks is a row each, nothing shared."""
+    best: tuple[float, list[list[int]]] | None = None
+    capacity = max_row_tokens - prefix
     for count in range(max(1, -(-sum(sizes) // capacity)), len(sizes) + 1):
-        rows: list[list[int]] = [[] for _ in range(count)]
-        loads = [0] * count
-        for c in order:
-            r = min(range(count), key=lambda r: (loads[r], r))
-            if loads[r] + sizes[c] > capacity:
-                break
-            rows[r].append(c)
-            loads[r] += sizes[c]
-        else:
-            return [sorted(row) for row in rows if row]
-    return [[c] for c in range(len(sizes))]
+        rows = balanced_rows(sizes, capacity, count)
+        if rows is None:
+            continue
+        width = prefix + max(sum(sizes[c] for c in row) for row in rows)
+        cost = count * width * (1 + pair_cost * width)
+        if best is None or cost < best[0]:
+            best = (cost, rows)
+    return best[1]
 
 
 def row_images(row_prompts: list[EncodedPrompt]) -> EncodedPrompt:

@@ -9,7 +9,7 @@ from opsd.data.sample import Sample
 from opsd.prompts import student_prompt, teacher_prompt
 from opsd.rollout.engine import Completion
 from opsd.sequences import (
-    EncodedPrompt, balanced_rows, build_examples, collate, completion_budget, encode_prompt,
+    EncodedPrompt, balanced_rows, build_examples, cheapest_rows, collate, completion_budget, encode_prompt,
     padding_example, prompt_length_check, shared_prefix_length,
 )
 from tests.helpers.examples import text_model
@@ -95,9 +95,16 @@ def test_a_shared_beginning_ends_at_the_first_picture_and_leaves_each_prompt_an_
     assert shared([1, 2, 3]) == 0  # one prompt: nothing to share with
 
 
-def test_packed_rows_are_balanced_within_the_budget():
-    assert balanced_rows([5, 4, 3, 3, 2, 1], capacity=9) == [[0, 3, 5], [1, 2, 4]]  # 9 and 9
-    assert balanced_rows([6, 6, 6], capacity=9) == [[0], [1], [2]]
+def test_packed_rows_are_balanced_within_the_budget_and_as_many_as_cost_least():
+    assert balanced_rows([5, 4, 3, 3, 2, 1], capacity=9, count=2) == [[0, 3, 5], [1, 2, 4]]  # 9 and 9
+    assert balanced_rows([6, 6, 6], capacity=9, count=2) is None
+    # Without attention's cost the fewest positions, padding included; short chunks behind a long
+    # prefix: few rows too.
+    assert cheapest_rows([6, 6, 6, 6], prefix=2, max_row_tokens=14, pair_cost=0.0) == [[0, 2], [1, 3]]  # 2 x 14
+    assert cheapest_rows([6, 6, 6], prefix=2, max_row_tokens=14, pair_cost=0.0) == [[0], [1], [2]]  # 3 x 8 < 2 x 14
+    assert cheapest_rows([4] * 6, prefix=20, max_row_tokens=64, pair_cost=1 / 3456) == [[0, 1, 2, 3, 4, 5]]
+    # Long chunks behind a short prefix: attention across them would cost more than the prefix saves.
+    assert cheapest_rows([2000] * 4, prefix=20, max_row_tokens=10240, pair_cost=1 / 3456) == [[0], [1], [2], [3]]
     prompts = [EncodedPrompt([1, 2, 3 + i]) for i in range(6)]
     completions = [[7] * n for n in (5, 1, 2, 4, 3, 1)]
     batch = collate(prompts, completions, pad_id=0, packed_row_tokens=13)
