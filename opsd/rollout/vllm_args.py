@@ -21,8 +21,8 @@ from opsd.rollout.engine import SamplingSettings
 CPU_MAX_BATCHED_TOKENS = 65536
 # vLLM's CPU default is 128-token KV blocks, and its CPU attention takes multiples of 32. A prompt's
 # samples share its prefill only in full blocks: with 32 the samples of a prompt of 32 to 127
-# tokens share their first blocks instead of computing them each (rollout 0.86x on the skill task's
-# 42-token prompts, the same completions; docs/measurements.md).
+# tokens share their first blocks instead of computing them each (rollout 0.85x in one pair of
+# 4-step runs on the skill task's 42-token prompts, the same completions; docs/rollout.md).
 CPU_BLOCK_SIZE = 32
 
 
