@@ -26,6 +26,10 @@ LOSS = JsdLossConfig(top_k=16, ce_weight=0.5)
 SPLITS = [([0, 1, 2], []), ([0], [1, 2]), ([0, 1], [2])]
 
 
+BEGINNING = [5, 6, 7]
+"""Every prompt opens with it, as with a system prompt: packed rows share it (`share_prompt_prefix`)."""
+
+
 def make_examples(step: int, vocab: int) -> list[Example]:
     """Three examples; the first two are two samples of one prompt (they share its prompt objects)."""
     gen = torch.Generator().manual_seed(step)
@@ -34,7 +38,8 @@ def make_examples(step: int, vocab: int) -> list[Example]:
         prompt = torch.randint(3, vocab, (6 + i,), generator=gen).tolist()
         privileged = torch.randint(3, vocab, (4,), generator=gen).tolist()
         completion = torch.randint(3, vocab, (3 + 2 * i,), generator=gen).tolist()
-        student, teacher = (examples[0].student, examples[0].teacher) if i == 1 else (EncodedPrompt(prompt), EncodedPrompt(privileged + prompt))
+        student, teacher = (examples[0].student, examples[0].teacher) if i == 1 else \
+            (EncodedPrompt(BEGINNING + prompt), EncodedPrompt(BEGINNING + privileged + prompt))
         examples.append(Example(f"s{step}-{i}", student, teacher, completion, [0.0] * len(completion)))
     return examples
 
