@@ -126,14 +126,14 @@ def collate(
         for i, p in enumerate(prompts):
             if key in p.per_token:
                 inputs[key][i, : len(p.input_ids)] = p.per_token[key]
-    inputs.update(vision_inputs(prompts))
+    inputs.update(vision_inputs([p.vision for p in prompts]))
     return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
 
 
-def vision_inputs(row_prompts: list[EncodedPrompt]) -> dict[str, torch.Tensor]:
-    """The batch's vision tensors, given the prompt of each row in order."""
+def vision_inputs(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The batch's vision tensors, given each row's (`EncodedPrompt.vision`) in order."""
     inputs = {}
-    with_images = [p.vision for p in row_prompts if p.vision]
+    with_images = [v for v in rows if v]
     if with_images:
         for key, first in with_images[0].items():
             if flat_patches(with_images[0]):
@@ -143,7 +143,7 @@ def vision_inputs(row_prompts: list[EncodedPrompt]) -> dict[str, torch.Tensor]:
                 # Idefics-style [1, n_images, C, H, W] is padded per image with all-zero images,
                 # which the model skips; a text-only row (a dataset mixture) holds only padding.
                 empty = first.new_zeros((1, 0, *first.shape[2:]))
-                inputs[key] = _pad_images([p.vision.get(key, empty) for p in row_prompts])
+                inputs[key] = _pad_images([v.get(key, empty) for v in rows])
     return inputs
 
 
@@ -237,7 +237,7 @@ def collate_packed(
     allowed = causal & (query_chunk != -1) & (key_chunk != -1) & same_sequence
     allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no all-masked row (NaN)
     inputs = {"input_ids": input_ids, "attention_mask": allowed[:, None], "position_ids": position_ids}
-    inputs.update(vision_inputs([row_images([prompts[chunks[c][0]] for c in row]) for row in rows]))
+    inputs.update(vision_inputs([row_vision([prompts[chunks[c][0]] for c in row]) for row in rows]))
     return ForwardBatch(inputs, torch.tensor(positions, dtype=torch.long), _flat(completions))
 
 
@@ -274,12 +274,12 @@ def cheapest_rows(sizes: list[int], prefix: int, max_row_tokens: int, pair_cost:
     return best[1]
 
 
-def row_images(row_prompts: list[EncodedPrompt]) -> EncodedPrompt:
-    """One row's prompts as one prompt for `vision_inputs`: their per-row images, in order."""
+def row_vision(row_prompts: list[EncodedPrompt]) -> dict[str, torch.Tensor]:
+    """The vision tensors of one packed row: its prompts' per-row images, in order."""
     with_images = [p.vision for p in row_prompts if p.vision]
     if not with_images:
-        return EncodedPrompt([])
-    return EncodedPrompt([], {key: torch.cat([v[key] for v in with_images], dim=1) for key in with_images[0]})
+        return {}
+    return {key: torch.cat([v[key] for v in with_images], dim=1) for key in with_images[0]}
 
 
 def _flat(completions: list[list[int]]) -> torch.Tensor:
